@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 # Installs what is missing, builds the flagship example in build/ and runs it (train_fashion_mnist:
-# an MLP trained on Fashion-MNIST on a (4, 2) mesh of thread devices).
+# an MLP trained on Fashion-MNIST on thread devices; without --mesh, on a mesh that fits the
+# machine's cores, its first line saying which: examples/common/flagship_options.hpp).
 # EXAMPLE: the example target to build and run (any target in examples/, e.g. quickstart, flagship or
 # train_resnet_fashion_mnist, the convolutional flagship, or train_gpt_chars, the character-level GPT);
 # arguments go to it.

@@ -2157,8 +2157,10 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
 
 // begin meshlib/nn/loss_function.hpp
 /// @file
-/// @brief `loss_function`: what `train_step` needs of a loss. There is no autodiff, so a loss is
-/// its value *and* its gradient with respect to the model output, as `jax.value_and_grad(loss_fn)`
+/// @brief `loss_function`: what `train_step` needs of a loss. `train_step` does not differentiate
+/// the loss it is given (automatic differentiation, `nn::value_and_grad` in nn/autodiff/ and
+/// docs/autodiff.md, is for programs written with meshlib's ops and for `function_layer`s), so a
+/// loss is its value *and* its gradient with respect to the model output, as `jax.value_and_grad(loss_fn)`
 /// would give them: an object `loss` with a nested `target_type` (the element type of the targets:
 /// `std::int32_t` for class labels, `float` for regression targets) that `train_step` calls on
 /// every device, once per micro-batch:
@@ -11619,8 +11621,10 @@ struct data_parallel {
   /// over the axis, the updated parameters all-gathered). Stage 3 is `fully_shard`.
   int zero = 0;
   /// Start each gradient bucket's all-reduce during backward, as soon as its gradients are complete
-  /// (PyTorch DDP's overlap): the same buckets and sums, bitwise the same training. A `sequential`
-  /// model without ZeRO; off by default (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  /// (PyTorch DDP's overlap): the same buckets and sums, bitwise the same training. Needs a
+  /// `sequential` model (its layer hooks start the buckets), no ZeRO-1 and no pipeline over more than
+  /// one device: the `train_state` refuses the others with a `sharding_error` rather than ignore it.
+  /// Off by default (docs/benchmarks.md, "Overlapped gradient synchronisation").
   bool overlap = false;
   /// The most gradient elements per collective (0: no limit).
   std::size_t bucket_elements = std::size_t{1} << 20;
@@ -11670,7 +11674,8 @@ class data_parallel_impl {
     state_ = layout_type(mesh, params, slots, zero_, local, per_param);
   }
   /// With overlap (and without ZeRO-1, whose reduce-scatter runs after the backward): installs the
-  /// hooks that start the buckets during backward, around `fully_shard`'s when composed. `round`
+  /// hooks that start the buckets during backward, around `fully_shard`'s when composed (the train
+  /// state has refused overlap on a model without hooks and on a pipelined step). `round`
   /// rounds a gradient to the compute type (null in float).
   template <class Model>
   void install_hooks(const Mesh& mesh, Model& model, void (*round)(float*, std::size_t) noexcept) {
@@ -14418,8 +14423,9 @@ class train_state {
   /// `fully_shard` or `pipeline` of a model that is not a `sequential` do not compile.
   /// @throws sharding_error as the constructor above (a pipeline policy over the pipeline axis
   /// lifts the refusal there), when `data_parallel::zero` is not 0 or 1, for ZeRO-1 beside
-  /// `fully_shard` or with overlap, and for an optimizer that reads whole parameters with ZeRO-1 or
-  /// `fully_shard`.
+  /// `fully_shard` or with overlap, for overlap where no layer hook would start the buckets (a model
+  /// that is not a `sequential`, a pipeline over more than one device), and for an optimizer that
+  /// reads whole parameters with ZeRO-1 or `fully_shard`.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
               std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
@@ -14627,6 +14633,7 @@ class train_state {
         model.round_activations = &detail::round_to<Compute>;
     if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
     refuse_unpipelined_axis();
+    refuse_ignored_overlap();
     std::vector<std::size_t> all;
     if (local_devices.empty())
       for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
@@ -14680,6 +14687,28 @@ class train_state {
                              "not by its name: pass meshlib::nn::pipeline<\"" + name +
                              "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
       }
+    }
+  }
+  // data_parallel's overlap starts each gradient bucket from the layer hooks a `sequential` calls
+  // during its backward (nn/parallel/grad_overlap.hpp). Where no hook would start them, a model that
+  // is not a `sequential` or a pipelined step (which synchronises after the schedule's last
+  // backward, nn/parallel/pipeline_run.hpp), `.overlap = true` would do nothing: refused, with the
+  // fix, rather than ignored. (ZeRO-1 with overlap: `refuse_clashes`. The overlap is a value, not a
+  // type, so this is a run-time check.)
+  void refuse_ignored_overlap() const {
+    if (!policies_.data.overlap) return;
+    const std::string dp = "data_parallel<\"" + std::string(detail::text_of(Data)) + "\">{.overlap = true}";
+    if constexpr (!detail::sequential_model<Model>) {
+      throw sharding_error("meshlib::nn: train_state: " + dp + " on a model that is not an nn::sequential: the "
+                           "overlap starts each gradient bucket from the hooks sequential calls after each layer's "
+                           "backward, and this model has none; wrap the layers in nn::sequential or drop .overlap");
+    } else if constexpr (pipeline_axes != 0) {
+      const std::size_t n = mesh.axes_size(pipeline_axes);
+      if (policies_.pipe && n > 1)
+        throw sharding_error("meshlib::nn: train_state: " + dp + " with pipeline<\"" + std::string(detail::text_of(Pipe)) +
+                             "\"> over " + std::to_string(n) + " stages: a pipelined step synchronises the gradients "
+                             "after its schedule's last backward, not from the layer hooks, so there is nothing to "
+                             "overlap; drop .overlap (or the pipeline)");
     }
   }
   // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
@@ -15947,7 +15976,8 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 /// runs a few `train_step`s after a warm-up, and ranks the shapes by step time. Each shape is tried
 /// with every threads-per-device count of `advise_options::threads_per_device` (by default 1 and,
 /// where larger, the cores this process may run on divided by the devices: a device's products on
-/// that many BLAS threads) and, where it has a "data" axis larger than 1, with the gradient
+/// that many BLAS threads) and, where it has a "data" axis larger than 1 (and no "pipeline" axis
+/// larger than 1, for a `sequential` model), with the gradient
 /// synchronisation overlapped with the backward pass and not (`data_parallel::overlap`;
 /// `advise_options::overlap`): one row per combination (a shape the library refuses: one row).
 /// Each row also has samples per second, the share of the step spent in the gradient synchronisation
@@ -15980,6 +16010,7 @@ step_metrics evaluate(State& s, const token_batch& w, std::size_t batch_windows 
 #include <functional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -16099,7 +16130,8 @@ struct advise_options {
   /// `available_cores()` / the shape's devices.
   std::vector<std::size_t> threads_per_device;
   /// The `data_parallel::overlap` settings to try on a shape whose "data" axis is larger than 1
-  /// (other shapes, and ZeRO-1, take `data_policy.overlap`); empty (the default): off and on.
+  /// and whose "pipeline" axis is not, for a `sequential` model (other shapes and models, and
+  /// ZeRO-1, take `data_policy.overlap`); empty (the default): off and on.
   std::vector<bool> overlap;
   /// @brief The time the advisor records for one timed step; empty (the default): the step's measured
   /// wall time.
@@ -16228,6 +16260,7 @@ inline double median(std::vector<double> v) {
 /// refusal of that shape, anything else a bug that propagates).
 template <mesh_type Mesh, class Factory, class Batch>
 advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch, const advise_options& o = {}) {
+  using model_type = std::remove_cvref_t<std::invoke_result_t<Factory&, const Mesh&>>;
   if (devices == 0) throw sharding_error("meshlib::nn: advise_mesh: 0 devices; give the number of devices to split over");
   advice a;
   a.devices = devices;
@@ -16241,8 +16274,10 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
       if (const std::size_t t = available_cores() / std::max<std::size_t>(shape.devices(), 1); t > 1) threads.push_back(t);
     }
     // Overlap only changes a step with a data axis to synchronise over, and not under ZeRO-1 (whose
-    // sync is its reduce-scatter after the backward).
-    const bool overlap_matters = shape.size("data") > 1 && o.data_policy.zero == 0;
+    // sync is its reduce-scatter after the backward), nor a pipelined step or a model that is not a
+    // `sequential` (no layer hooks start the buckets: the train state refuses overlap there).
+    const bool overlap_matters = shape.size("data") > 1 && o.data_policy.zero == 0 &&
+                                 shape.size("pipeline") <= 1 && detail::sequential_model<model_type>;
     std::vector<bool> overlap = overlap_matters ? o.overlap : std::vector<bool>{o.data_policy.overlap};
     if (overlap.empty()) overlap = {false, true};
     for (std::size_t t : threads)

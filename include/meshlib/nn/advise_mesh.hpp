@@ -12,7 +12,8 @@
 /// runs a few `train_step`s after a warm-up, and ranks the shapes by step time. Each shape is tried
 /// with every threads-per-device count of `advise_options::threads_per_device` (by default 1 and,
 /// where larger, the cores this process may run on divided by the devices: a device's products on
-/// that many BLAS threads) and, where it has a "data" axis larger than 1, with the gradient
+/// that many BLAS threads) and, where it has a "data" axis larger than 1 (and no "pipeline" axis
+/// larger than 1, for a `sequential` model), with the gradient
 /// synchronisation overlapped with the backward pass and not (`data_parallel::overlap`;
 /// `advise_options::overlap`): one row per combination (a shape the library refuses: one row).
 /// Each row also has samples per second, the share of the step spent in the gradient synchronisation
@@ -45,6 +46,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -175,7 +177,8 @@ struct advise_options {
   /// `available_cores()` / the shape's devices.
   std::vector<std::size_t> threads_per_device;
   /// The `data_parallel::overlap` settings to try on a shape whose "data" axis is larger than 1
-  /// (other shapes, and ZeRO-1, take `data_policy.overlap`); empty (the default): off and on.
+  /// and whose "pipeline" axis is not, for a `sequential` model (other shapes and models, and
+  /// ZeRO-1, take `data_policy.overlap`); empty (the default): off and on.
   std::vector<bool> overlap;
   /// @brief The time the advisor records for one timed step; empty (the default): the step's measured
   /// wall time.
@@ -304,6 +307,7 @@ inline double median(std::vector<double> v) {
 /// refusal of that shape, anything else a bug that propagates).
 template <mesh_type Mesh, class Factory, class Batch>
 advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch, const advise_options& o = {}) {
+  using model_type = std::remove_cvref_t<std::invoke_result_t<Factory&, const Mesh&>>;
   if (devices == 0) throw sharding_error("meshlib::nn: advise_mesh: 0 devices; give the number of devices to split over");
   advice a;
   a.devices = devices;
@@ -317,8 +321,10 @@ advice advise_mesh(std::size_t devices, Factory&& make_model, const Batch& batch
       if (const std::size_t t = available_cores() / std::max<std::size_t>(shape.devices(), 1); t > 1) threads.push_back(t);
     }
     // Overlap only changes a step with a data axis to synchronise over, and not under ZeRO-1 (whose
-    // sync is its reduce-scatter after the backward).
-    const bool overlap_matters = shape.size("data") > 1 && o.data_policy.zero == 0;
+    // sync is its reduce-scatter after the backward), nor a pipelined step or a model that is not a
+    // `sequential` (no layer hooks start the buckets: the train state refuses overlap there).
+    const bool overlap_matters = shape.size("data") > 1 && o.data_policy.zero == 0 &&
+                                 shape.size("pipeline") <= 1 && detail::sequential_model<model_type>;
     std::vector<bool> overlap = overlap_matters ? o.overlap : std::vector<bool>{o.data_policy.overlap};
     if (overlap.empty()) overlap = {false, true};
     for (std::size_t t : threads)

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 #pragma once
 /// @file
-/// @brief `loss_function`: what `train_step` needs of a loss. There is no autodiff, so a loss is
-/// its value *and* its gradient with respect to the model output, as `jax.value_and_grad(loss_fn)`
+/// @brief `loss_function`: what `train_step` needs of a loss. `train_step` does not differentiate
+/// the loss it is given (automatic differentiation, `nn::value_and_grad` in nn/autodiff/ and
+/// docs/autodiff.md, is for programs written with meshlib's ops and for `function_layer`s), so a
+/// loss is its value *and* its gradient with respect to the model output, as `jax.value_and_grad(loss_fn)`
 /// would give them: an object `loss` with a nested `target_type` (the element type of the targets:
 /// `std::int32_t` for class labels, `float` for regression targets) that `train_step` calls on
 /// every device, once per micro-batch:

@@ -178,10 +178,11 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
   CHECK(c.best.to_string() == "(2, 1)");
   CHECK(c.rows.back().refused.find("not possible: pipeline: the mesh's 'pipeline' axis has 2 devices (one stage each) "
                                    "but the model has 1 layers") == 0);
-  const auto p2 = nn::advise_mesh<piped>(2, [](const piped& m) {
+  const auto two_layers = [](const piped& m) {
     return nn::sequential(nn::dense<float, piped>(m, "fc1", 4, 8, nn::rng_key{1}), nn::relu<float>(m),
                           nn::dense<float, piped>(m, "fc2", 8, 2, nn::rng_key{2}));
-  }, batch_of(4, 4, 2), o);
+  };
+  const auto p2 = nn::advise_mesh<piped>(2, two_layers, batch_of(4, 4, 2), o);
   REQUIRE(p2.rows.size() == 2);
   for (const auto& r : p2.rows) {
     INFO(r.shape.to_string() << " " << r.refused);
@@ -189,6 +190,16 @@ TEST_CASE("advise_mesh: shapes the model or the batch refuse are listed with the
     CHECK((r.bubble > 0) == (r.shape.size("pipeline") > 1));  // (2, 1) has no pipeline: no bubble
   }
   CHECK(p2.markdown().find("| bubble |") != std::string::npos);
+  // A pipelined shape is not tried with the overlap (no layer hook starts the buckets of a pipelined
+  // step: the train state refuses it), and stays possible; a shape without a pipeline is tried both ways.
+  o.overlap.clear();
+  const auto p4 = nn::advise_mesh<piped>(4, two_layers, batch_of(4, 4, 2), o);
+  std::vector<std::string> tried;
+  for (const auto& r : p4.rows)
+    tried.push_back(r.shape.to_string() + (r.overlap ? " on" : " off") + (r.possible() ? "" : " refused"));
+  std::sort(tried.begin(), tried.end());
+  CHECK(tried == std::vector<std::string>{"(1, 4) off refused", "(2, 2) off", "(4, 1) off", "(4, 1) on"});
+  o.overlap = {false};
   // Nothing possible: one error listing every shape's reason.
   const std::string msg = meshlib_test::message_of<meshlib::sharding_error>(
       [&] { (void)nn::advise_mesh<mesh_t>(8, one_block_gpt, gpt_batch(3), o); });

@@ -3,7 +3,8 @@
 // against hand-derived formulas, and of programs mixing every differentiable collective against
 // central finite differences of the loss, over a 1-D mesh of 4 devices and a 2x2 mesh. Each
 // device's gradient is compared with the finite difference of the global element its block holds,
-// so the gradients are checked to come back sharded like the inputs.
+// so the gradients are checked to come back sharded like the inputs; and inside shard_map, global
+// arrays in and the gradients assembled by its out_specs.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -176,6 +177,68 @@ TEST_CASE("value_and_grad of data-parallel least squares matches X^T R and R W^T
     for (std::size_t e = 0; e < k * o; ++e) CHECK(std::abs(hws[dev][e] - dw[e]) < 1e-12);
     for (std::size_t e = 0; e < 2 * k; ++e) CHECK(std::abs(hxs[dev][e] - dx[2 * dev * k + e]) < 1e-12);
     CHECK(hw1s[dev] == hws[dev]);
+  }
+}
+
+TEST_CASE("value_and_grad inside shard_map: global arrays in, the gradients out as global arrays sharded like them",
+          "[nn][autodiff][shard_map]") {
+  // L = 1/2 sum (tanh(X W) - Y)^2 over the global batch, X and Y (4 rows) split over the 2 devices
+  // of "x" by shard_map's in_specs, W replicated; the loss completed with a psum. With Z = X W and
+  // G = (tanh(Z) - Y) (1 - tanh(Z)^2): dW = X^T G (summed over the devices: W is replicated) and
+  // dX = G W^T, its rows on the device that holds X's; shard_map assembles both by its out_specs.
+  const mesh1 m{2};
+  const std::size_t n = 4, k = 3, o = 2;
+  const auto gx = random_array(n, k, 41), gw = random_array(k, o, 42), gy = random_array(n, o, 43);
+  std::vector<double> g(n * o), dw(k * o, 0.0), dx(n * k, 0.0);
+  double expected_loss = 0;
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < o; ++j) {
+      double z = 0;
+      for (std::size_t q = 0; q < k; ++q) z += gx[i * k + q] * gw[q * o + j];
+      const double t = std::tanh(z), r = t - gy[i * o + j];
+      expected_loss += r * r / 2;
+      g[i * o + j] = r * (1 - t * t);
+    }
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t q = 0; q < k; ++q)
+      for (std::size_t j = 0; j < o; ++j) {
+        dw[q * o + j] += gx[i * k + q] * g[i * o + j];
+        dx[i * k + q] += g[i * o + j] * gw[q * o + j];
+      }
+  using rows_spec = meshlib::P<"x", meshlib::none>;
+  using repl_spec = meshlib::P<meshlib::none, meshlib::none>;
+  const auto X = meshlib::from_host(meshlib::named_sharding<mesh1, rows_spec>{m}, std::array<std::size_t, 2>{n, k}, gx);
+  const auto W = meshlib::from_host(meshlib::named_sharding<mesh1, repl_spec>{m}, std::array<std::size_t, 2>{k, o}, gw);
+  const auto Y = meshlib::from_host(meshlib::named_sharding<mesh1, rows_spec>{m}, std::array<std::size_t, 2>{n, o}, gy);
+  // Catch2's assertions are not thread-safe: the device threads record, the test thread checks.
+  std::vector<double> values(2);
+  auto step = meshlib::shard_map(
+      [&](const auto& xb, const auto& wb, const auto& yb) {
+        static_assert(std::is_same_v<std::remove_cvref_t<decltype(xb)>, rows1>, "X's block: rows over x");
+        static_assert(std::is_same_v<std::remove_cvref_t<decltype(wb)>, repl1>, "W's block: replicated");
+        auto loss_fn = [](const auto& xs, const auto& ws, const rows1& ys) {
+          return nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(nn::matmul(xs, ws)) - ys)))) * 0.5;
+        };
+        auto [value, grads] = nn::value_and_grad<0, 1>(loss_fn)(xb, wb, yb);
+        values[xb.device()] = host(value)[0];
+        return std::tuple(std::get<0>(grads), std::get<1>(grads));
+      },
+      m, meshlib::specs<rows_spec, repl_spec, rows_spec>{}, meshlib::specs<rows_spec, repl_spec>{});
+  const auto [DX, DW] = step(X, W, Y);
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(DX)>, std::remove_cvref_t<decltype(X)>>,
+                "dX comes back sharded as X");
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(DW)>, std::remove_cvref_t<decltype(W)>>,
+                "dW comes back replicated as W");
+  for (std::size_t dev = 0; dev < 2; ++dev) CHECK(std::abs(values[dev] - expected_loss) < 1e-12 * (1 + expected_loss));
+  const auto hdx = DX.to_host(), hdw = DW.to_host();
+  REQUIRE(hdx.size() == n * k);
+  REQUIRE(hdw.size() == k * o);
+  for (std::size_t e = 0; e < n * k; ++e) CHECK(std::abs(hdx[e] - dx[e]) < 1e-12);
+  for (std::size_t e = 0; e < k * o; ++e) CHECK(std::abs(hdw[e] - dw[e]) < 1e-12);
+  // Each device's replica of dW is the whole sum (no device kept only its rows' share).
+  for (std::size_t dev = 0; dev < 2; ++dev) {
+    const auto local = host(DW.local_value(dev));
+    for (std::size_t e = 0; e < k * o; ++e) CHECK(std::abs(local[e] - dw[e]) < 1e-12);
   }
 }
 

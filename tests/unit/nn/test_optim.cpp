@@ -2,7 +2,8 @@
 // optax-style gradient transforms (nn/optim/): each built-in transform against hand-computed
 // updates of a few elements, chains and their stages, masks and parameter groups, the named
 // optimizers bit for bit as the fused kernels they replaced, a clip in the middle of a chain over
-// a sharded mesh and ZeRO-1, and a chain's state through a checkpoint.
+// a sharded mesh and ZeRO-1, and a chain's state through a checkpoint; a user-written transform
+// with state slots under ZeRO-1, FSDP and through a checkpoint.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -410,6 +411,143 @@ TEST_CASE("checkpoints hold a chain's state, restored on another mesh with ZeRO-
   CHECK(meshlib_test::message_of<nn::checkpoint_error>([&] { nn::restore_checkpoint(dir, d); }) ==
         "meshlib::nn: restore_checkpoint: '" + (dir / "index").string() +
             "': saved with optimizer chain(clip_by_global_norm,trace,scale_by_adam,scale_by_learning_rate) (3 state "
+            "slots), but the train state's optimizer is adam: restore into a train state made with the optimizer it "
+            "was saved with");
+  fs::remove_all(dir);
+}
+
+namespace {
+
+/// A gradient transform written as a user writes one (nn::gradient_transform, docs/optimizers.md),
+/// with state: slot 0 the running sum of the updates it has been given, slot 1 their momentum; the
+/// update is the momentum plus a pull towards the running mean. Its kernel runs through the public
+/// meshlib::launch, on whatever block of state the layout hands it (whole blocks, a ZeRO-1 slice,
+/// an FSDP shard).
+struct running_sum_momentum {
+  float decay = 0.5f;
+  float pull = 0.25f;
+  struct kernel {
+    float* u;
+    float* sum;
+    float* momentum;
+    float decay, pull_per_step;
+    KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+      const float g = u[i];
+      sum[i] += g;
+      momentum[i] = decay * momentum[i] + g;
+      u[i] = momentum[i] + pull_per_step * sum[i];
+    }
+  };
+  [[nodiscard]] std::size_t slots() const { return 2; }
+  [[nodiscard]] std::string name() const { return "running_sum_momentum"; }
+  [[nodiscard]] std::string kind() const { return "running_sum_momentum"; }
+  void update(const nn::update_run& r) const {
+    meshlib::launch<meshlib::default_memory_space>(
+        r.size, kernel{r.updates, r.state[0], r.state[1], decay, pull / static_cast<float>(r.step + 1)});
+  }
+};
+
+using shard_mesh_t = meshlib::mesh<meshlib::axis<"fsdp">, meshlib::axis<"model">>;
+
+auto make_shard_net(const shard_mesh_t& m) {
+  const nn::rng_key key{11};
+  return nn::sequential(nn::column_dense<float, shard_mesh_t>(m, "fc1", features, hidden, key), nn::relu<float>(m),
+                        nn::row_dense<float, shard_mesh_t>(m, "fc2", hidden, hidden, key), nn::gelu<float>(m),
+                        nn::dense<float, shard_mesh_t>(m, "fc3", hidden, classes, key));
+}
+
+/// The sum of squares of optimizer state slot `s` over every device of `state`, each run where the
+/// layout puts it (`for_each_state_run`): each element once on one device, in ZeRO-1's slices or in
+/// FSDP's shards (over a model axis of one device).
+template <class State>
+double slot_sum_of_squares(State& state, std::size_t s) {
+  double sq = 0;
+  std::vector<float> h;
+  for (std::size_t dev : state.local_devices())
+    state.for_each_state_run(dev, [&](std::size_t, std::size_t, std::size_t len, std::span<float* const> slot) {
+      h.resize(len);
+      meshlib::copy_to_host<meshlib::default_memory_space>(h.data(), slot[s], len);
+      for (const float v : h) sq += static_cast<double>(v) * static_cast<double>(v);
+    });
+  return sq;
+}
+
+}  // namespace
+
+TEST_CASE("a user's transform with state trains alike replicated, with ZeRO-1 and on FSDP shards, and through a "
+          "checkpoint", "[nn][optim][zero][fsdp][checkpoint]") {
+  namespace fs = std::filesystem;
+  const nn::optimizer opt =
+      nn::chain(nn::clip_by_global_norm(1.0f), running_sum_momentum{}, nn::scale_by_learning_rate(2e-2f));
+  REQUIRE(opt.slots() == 2);
+  const nn::rng_key key{11};
+  // One device, replicated: the reference. Two devices: replicated, ZeRO-1 (the slots sliced over
+  // "data") and FSDP (the slots sharded with the parameters over "fsdp").
+  const mesh_t one{1, 1}, two{2, 1};
+  nn::train_state ref(one, make_net(one), opt, {}, key, {}, nn::data_parallel<"data">{});
+  nn::train_state replicated(two, make_net(two), opt, {}, key, {}, nn::data_parallel<"data">{});
+  nn::train_state zero(two, make_net(two), opt, {}, key, {}, nn::data_parallel<"data">{.zero = 1});
+  const shard_mesh_t shards{2, 1};
+  nn::train_state fsdp(shards, make_shard_net(shards), opt, {}, key, {}, nn::fully_shard<"fsdp">{});
+  const auto losses = train(ref, 0, 6);
+  CHECK(losses.back() < losses.front());  // it learns
+  require_close(train(replicated, 0, 6), losses, 1e-5);
+  require_close(train(zero, 0, 6), losses, 1e-5);
+  require_close(train(fsdp, 0, 6), losses, 1e-5);
+  // ZeRO-1 and FSDP hold half the state per device, and the same numbers as one device in all.
+  CHECK(zero.optimizer_state_size(0) < replicated.optimizer_state_size(0));
+  CHECK(fsdp.optimizer_state_size(0) < replicated.optimizer_state_size(0));
+  for (std::size_t s = 0; s < 2; ++s) {
+    INFO("slot " << s);
+    const double want = slot_sum_of_squares(ref, s);
+    CHECK(want > 0);
+    CHECK(std::abs(slot_sum_of_squares(zero, s) - want) <= 1e-4 * want);
+    CHECK(std::abs(slot_sum_of_squares(fsdp, s) - want) <= 1e-4 * want);
+  }
+
+  // Through a checkpoint: saved from ZeRO-1's slices after 3 steps, restored into the same layout
+  // (every slot of every element back, bit for bit), into one device and into FSDP's shards; each
+  // continues as the run that was not interrupted.
+  const auto dir = fs::temp_directory_path() / ("meshlib_nn_optim_user_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  nn::train_state a(two, make_net(two), opt, {}, key, {}, nn::data_parallel<"data">{.zero = 1});
+  (void)train(a, 0, 3);
+  nn::save_checkpoint(dir, a);
+  nn::train_state same(two, make_net(two), opt, {}, key, {}, nn::data_parallel<"data">{.zero = 1});
+  nn::train_state single(one, make_net(one), opt, {}, key, {}, nn::data_parallel<"data">{});
+  nn::train_state sharded(shards, make_shard_net(shards), opt, {}, key, {}, nn::fully_shard<"fsdp">{});
+  nn::restore_checkpoint(dir, same);
+  nn::restore_checkpoint(dir, single);
+  nn::restore_checkpoint(dir, sharded);
+  CHECK(same.step == 3);
+  CHECK(single.step == 3);
+  CHECK(sharded.step == 3);
+  for (std::size_t dev = 0; dev < two.size(); ++dev) CHECK(same.optimizer_state(dev) == a.optimizer_state(dev));
+  for (std::size_t s = 0; s < 2; ++s) {
+    INFO("slot " << s);
+    const double want = slot_sum_of_squares(a, s);
+    CHECK(want > 0);
+    CHECK(std::abs(slot_sum_of_squares(single, s) - want) <= 1e-6 * want);
+    CHECK(std::abs(slot_sum_of_squares(sharded, s) - want) <= 1e-6 * want);
+  }
+  const auto rest = train(a, 3, 3);
+  CHECK(train(same, 3, 3) == rest);
+  require_close(train(single, 3, 3), rest, 1e-5);
+  require_close(train(sharded, 3, 3), rest, 1e-5);
+  // Without the restored slots the continuation differs: the state is what the test restores.
+  nn::train_state zeroed(two, make_net(two), opt, {}, key, {}, nn::data_parallel<"data">{.zero = 1});
+  nn::restore_checkpoint(dir, zeroed);
+  for (std::size_t dev = 0; dev < two.size(); ++dev)
+    zeroed.for_each_state_run(dev, [&](std::size_t, std::size_t, std::size_t len, std::span<float* const> slot) {
+      const std::vector<float> zeros(len, 0.0f);
+      for (float* p : slot) meshlib::copy_from_host<meshlib::default_memory_space>(p, zeros.data(), len);
+    });
+  CHECK(train(zeroed, 3, 3) != rest);
+  // The index names the user's transform by its kind(): a state made with another chain is refused.
+  nn::train_state other(two, make_net(two), nn::adam(1e-2f), {});
+  CHECK(meshlib_test::message_of<nn::checkpoint_error>([&] { nn::restore_checkpoint(dir, other); }) ==
+        "meshlib::nn: restore_checkpoint: '" + (dir / "index").string() +
+            "': saved with optimizer chain(clip_by_global_norm,running_sum_momentum,scale_by_learning_rate) (2 state "
             "slots), but the train state's optimizer is adam: restore into a train state made with the optimizer it "
             "was saved with");
   fs::remove_all(dir);

@@ -2,7 +2,8 @@
 // Parallelism as policies (nn/parallel/, issue 37): data_parallel, fully_shard and pipeline over any
 // axis names give bitwise the losses of the same policies on the default names, alone and composed;
 // the state's type is deduced from them and keeps them; what a value cannot say at compile time is
-// refused; an axis is pipelined by the policy only, never by its name.
+// refused (ZeRO-1 with FSDP or overlap; overlap with no layer hooks to start its buckets: a pipeline,
+// a model that is not a sequential); an axis is pipelined by the policy only, never by its name.
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -53,6 +54,23 @@ std::vector<double> losses(State& s) {
 nn::optimizer opt() {
   return nn::chain(nn::clip_by_global_norm(0.5f), nn::adamw(nn::constant(1e-2f), 1e-2f));
 }
+
+/// A model that is not a `sequential` (a user's own struct of layers, as train_state accepts): it
+/// has no layer hooks for data_parallel's overlap to start the gradient buckets from.
+template <class Mesh>
+struct plain_model {
+  nn::dense<float, Mesh> fc;
+  void begin_step(nn::rng_key, bool) {}
+  template <class X>
+  auto forward(const X& x) {
+    return fc.forward(x);
+  }
+  template <class DY>
+  auto backward(const DY& dy, bool need_dx = true) {
+    return fc.backward(dy, need_dx);
+  }
+  void collect(std::vector<nn::param_ref<float>>& out) const { fc.collect(out); }
+};
 
 }  // namespace
 
@@ -144,6 +162,49 @@ TEST_CASE("data_parallel's ZeRO-1 beside fully_shard, and ZeRO-1 with overlap, a
   nn::train_state hsdp(m, make_net(m), opt(), nn::data_parallel<"replica">{}, nn::fully_shard<"shard">{});
   CHECK(hsdp.fully_shard_policy().has_value());
   CHECK(hsdp.data_parallel_policy().zero == 0);
+}
+
+TEST_CASE("data_parallel's overlap where no layer hook would start the buckets is refused, naming the policy",
+          "[nn][policies][overlap][errors]") {
+  // A pipelined step synchronises the gradients after its schedule's last backward: the overlap
+  // would do nothing, and is refused rather than ignored, whatever the order of the policies.
+  using piped_mesh = meshlib::mesh<axis<"dp">, axis<"model">, axis<"pipe">>;
+  const piped_mesh two{2, 1, 2};
+  const std::string piped =
+      "meshlib::nn: train_state: data_parallel<\"dp\">{.overlap = true} with pipeline<\"pipe\"> over 2 stages: a "
+      "pipelined step synchronises the gradients after its schedule's last backward, not from the layer hooks, so "
+      "there is nothing to overlap; drop .overlap (or the pipeline)";
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(two, make_net(two), opt(), nn::data_parallel<"dp">{.overlap = true},
+                            nn::pipeline<"pipe">{.microbatches = 4});
+        }) == piped);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(two, make_net(two), opt(), nn::pipeline<"pipe">{.microbatches = 4},
+                            nn::data_parallel<"dp">{.overlap = true});
+        }) == piped);
+  // Over a pipeline axis of one device the step is the unpipelined one (the policy does nothing):
+  // there the hooks start the buckets during the backward, and the losses are bitwise those without.
+  const piped_mesh one{2, 1, 1};
+  nn::train_state overlapped(one, make_net(one), opt(), nn::data_parallel<"dp">{.overlap = true, .bucket_elements = 100},
+                             nn::pipeline<"pipe">{.microbatches = 4});
+  nn::train_state plain(one, make_net(one), opt(), nn::data_parallel<"dp">{.bucket_elements = 100},
+                        nn::pipeline<"pipe">{.microbatches = 4});
+  REQUIRE(overlapped.pipeline() == nullptr);
+  CHECK(losses(overlapped) == losses(plain));
+  CHECK(overlapped.sync().started_early(0) > 0);
+  CHECK(plain.sync().started_early(0) == 0);
+  // A model that is not a sequential has no layer hooks: refused; without overlap it is fine.
+  using mesh_t = meshlib::mesh<axis<"data">, axis<"model">>;
+  const mesh_t m{2, 1};
+  const auto model = [&] { return plain_model<mesh_t>{nn::dense<float, mesh_t>(m, "fc", features, classes, nn::rng_key{3})}; };
+  STATIC_REQUIRE_FALSE(nn::detail::sequential_model<plain_model<mesh_t>>);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(m, model(), opt(), nn::data_parallel<"data">{.overlap = true});
+        }) == "meshlib::nn: train_state: data_parallel<\"data\">{.overlap = true} on a model that is not an "
+              "nn::sequential: the overlap starts each gradient bucket from the hooks sequential calls after each "
+              "layer's backward, and this model has none; wrap the layers in nn::sequential or drop .overlap");
+  nn::train_state fine(m, model(), opt(), nn::data_parallel<"data">{});
+  CHECK_FALSE(fine.data_parallel_policy().overlap);
 }
 
 TEST_CASE("an axis is pipelined by a pipeline policy, not by its name", "[nn][policies][pipeline][errors]") {

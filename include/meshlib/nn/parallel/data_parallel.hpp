@@ -57,8 +57,10 @@ struct data_parallel {
   /// over the axis, the updated parameters all-gathered). Stage 3 is `fully_shard`.
   int zero = 0;
   /// Start each gradient bucket's all-reduce during backward, as soon as its gradients are complete
-  /// (PyTorch DDP's overlap): the same buckets and sums, bitwise the same training. A `sequential`
-  /// model without ZeRO; off by default (docs/benchmarks.md, "Overlapped gradient synchronisation").
+  /// (PyTorch DDP's overlap): the same buckets and sums, bitwise the same training. Needs a
+  /// `sequential` model (its layer hooks start the buckets), no ZeRO-1 and no pipeline over more than
+  /// one device: the `train_state` refuses the others with a `sharding_error` rather than ignore it.
+  /// Off by default (docs/benchmarks.md, "Overlapped gradient synchronisation").
   bool overlap = false;
   /// The most gradient elements per collective (0: no limit).
   std::size_t bucket_elements = std::size_t{1} << 20;
@@ -108,7 +110,8 @@ class data_parallel_impl {
     state_ = layout_type(mesh, params, slots, zero_, local, per_param);
   }
   /// With overlap (and without ZeRO-1, whose reduce-scatter runs after the backward): installs the
-  /// hooks that start the buckets during backward, around `fully_shard`'s when composed. `round`
+  /// hooks that start the buckets during backward, around `fully_shard`'s when composed (the train
+  /// state has refused overlap on a model without hooks and on a pipelined step). `round`
   /// rounds a gradient to the compute type (null in float).
   template <class Model>
   void install_hooks(const Mesh& mesh, Model& model, void (*round)(float*, std::size_t) noexcept) {

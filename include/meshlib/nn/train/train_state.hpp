@@ -185,8 +185,9 @@ class train_state {
   /// `fully_shard` or `pipeline` of a model that is not a `sequential` do not compile.
   /// @throws sharding_error as the constructor above (a pipeline policy over the pipeline axis
   /// lifts the refusal there), when `data_parallel::zero` is not 0 or 1, for ZeRO-1 beside
-  /// `fully_shard` or with overlap, and for an optimizer that reads whole parameters with ZeRO-1 or
-  /// `fully_shard`.
+  /// `fully_shard` or with overlap, for overlap where no layer hook would start the buckets (a model
+  /// that is not a `sequential`, a pipeline over more than one device), and for an optimizer that
+  /// reads whole parameters with ZeRO-1 or `fully_shard`.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
               std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
@@ -394,6 +395,7 @@ class train_state {
         model.round_activations = &detail::round_to<Compute>;
     if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
     refuse_unpipelined_axis();
+    refuse_ignored_overlap();
     std::vector<std::size_t> all;
     if (local_devices.empty())
       for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
@@ -447,6 +449,28 @@ class train_state {
                              "not by its name: pass meshlib::nn::pipeline<\"" + name +
                              "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
       }
+    }
+  }
+  // data_parallel's overlap starts each gradient bucket from the layer hooks a `sequential` calls
+  // during its backward (nn/parallel/grad_overlap.hpp). Where no hook would start them, a model that
+  // is not a `sequential` or a pipelined step (which synchronises after the schedule's last
+  // backward, nn/parallel/pipeline_run.hpp), `.overlap = true` would do nothing: refused, with the
+  // fix, rather than ignored. (ZeRO-1 with overlap: `refuse_clashes`. The overlap is a value, not a
+  // type, so this is a run-time check.)
+  void refuse_ignored_overlap() const {
+    if (!policies_.data.overlap) return;
+    const std::string dp = "data_parallel<\"" + std::string(detail::text_of(Data)) + "\">{.overlap = true}";
+    if constexpr (!detail::sequential_model<Model>) {
+      throw sharding_error("meshlib::nn: train_state: " + dp + " on a model that is not an nn::sequential: the "
+                           "overlap starts each gradient bucket from the hooks sequential calls after each layer's "
+                           "backward, and this model has none; wrap the layers in nn::sequential or drop .overlap");
+    } else if constexpr (pipeline_axes != 0) {
+      const std::size_t n = mesh.axes_size(pipeline_axes);
+      if (policies_.pipe && n > 1)
+        throw sharding_error("meshlib::nn: train_state: " + dp + " with pipeline<\"" + std::string(detail::text_of(Pipe)) +
+                             "\"> over " + std::to_string(n) + " stages: a pipelined step synchronises the gradients "
+                             "after its schedule's last backward, not from the layer hooks, so there is nothing to "
+                             "overlap; drop .overlap (or the pipeline)");
     }
   }
   // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
