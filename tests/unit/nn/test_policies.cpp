@@ -69,7 +69,7 @@ struct plain_model {
   auto backward(const DY& dy, bool need_dx = true) {
     return fc.backward(dy, need_dx);
   }
-  void collect(std::vector<nn::param_ref<float>>& out) const { fc.collect(out); }
+  void collect(std::vector<nn::param_ref<float>>& out) { fc.collect(out); }
 };
 
 }  // namespace
