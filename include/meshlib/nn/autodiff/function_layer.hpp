@@ -145,8 +145,15 @@ class function_layer {
       st->x_id = tx.id();
       st->out_id = y.id();
       std::apply([&](const auto&... p) { st->param_ids = {p.id()...}; }, tp);
+      // The output is a tensor of the tape's, not a buffer of the layer's: the state holds it until
+      // the backward, as a built-in layer's buffer lives until its next forward. The next layer
+      // keeps only an unmanaged view of its input (nn/buffers.hpp); without this reference the
+      // memory was freed when the caller's copy died and that layer's backward read whatever
+      // reused it (a NaN gradient in a few runs of docs/autodiff.md's example).
+      auto out = y.primal();
+      st->y = out;
       state_[dev] = std::move(st);
-      return y.primal();
+      return out;
     }
   }
 
@@ -186,6 +193,7 @@ class function_layer {
   struct device_state {
     detail::tape tape;
     std::any x;  // the input (its shape gives a zero cotangent where none arrives)
+    std::any y;  // the output the next layer reads (and keeps an unmanaged view of) until the backward
     std::size_t x_id = 0, out_id = 0;
     std::array<std::size_t, sizeof...(Params)> param_ids{};
   };
