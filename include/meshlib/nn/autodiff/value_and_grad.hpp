@@ -208,7 +208,8 @@ class value_and_grad_fn {
       if constexpr (std::is_same_v<decltype(r), bool>) return;  // the loss diagnostic has fired
       else return r;
     } else if constexpr (!is_pair_like_v<Returned>) {
-      static_cast<void>(aux_loss_is_not_a_pair<meshlib::diagnostic::op_t<"value_and_grad">, Returned>());  // the one diagnostic has fired
+      // the one diagnostic fires
+      static_cast<void>(aux_loss_is_not_a_pair<meshlib::diagnostic::op_t<"value_and_grad">, Returned>());
     } else {
       // The aux leaves before the tape is walked: it holds the forward values, untouched.
       auto aux = aux_out(std::get<1>(returned));
