@@ -11,8 +11,8 @@
 #     by their stems (test_remat for test_remat.cpp; Catch2's file-name tags, `-# [#test_remat]`),
 #     and <n> runs the rest: the sources share the binary's unity batches (one compile of the
 #     templates they share), while ctest still runs the parts side by side and names them apart.
-#  meshlib_add_compile_fail_test(NAME <n> SOURCE <src> REGEX <regex> [NAMES <regex>] [GCC_ONLY]
-#                                [LIBRARIES <lib...>])
+#  meshlib_add_compile_fail_test(NAME <n> SOURCE <src> REGEX <regex> [NAMES <regex>] [HEAD <text...>]
+#                                [GCC_ONLY] [LIBRARIES <lib...>])
 #     A program that must not compile: the test compiles it (-fsyntax-only, the compiler called
 #     directly by cmake/meshlib_compile_fail.cmake) and passes only when the compiler's
 #     output matches REGEX (the first words of the static_assert message we promise the user) and,
@@ -21,7 +21,9 @@
 #     "model" as each compiler prints it (core/diagnostics.hpp): the word
 #     meshlib::fixed_string<6>{"model"} on GCC, the char pack 'm', 'o', 'd', 'e', 'l' on Clang;
 #     ">>" matches Clang's ">>" and GCC's "> >". Each name in NAMES must also be in the first three
-#     lines of the diagnostic (the include chain not counted): where a user reads.
+#     lines of the diagnostic (the include chain not counted): where a user reads. HEAD: more text
+#     that must be there, written as both compilers print it (a type, `meshlib::bfloat16`, or a
+#     number, `meshlib::diagnostic::kernel<5>`), for names that are not axis names.
 #     GCC_ONLY: no Clang leg (diagnostics not yet single-error on Clang). When clang++-14 is
 #     found (MESHLIB_COMPILE_FAIL_CLANG), a second test compile_fail_clang_<n> runs the same source
 #     through Clang (-fsyntax-only, ~3 s each) and checks the same REGEX and that Clang reports
@@ -221,7 +223,7 @@ function(_meshlib_char_pack out name)
 endfunction()
 
 function(meshlib_add_compile_fail_test)
-  cmake_parse_arguments(ARG "GCC_ONLY" "NAME;SOURCE;REGEX;NAMES" "LIBRARIES" ${ARGN})
+  cmake_parse_arguments(ARG "GCC_ONLY" "NAME;SOURCE;REGEX;NAMES" "LIBRARIES;HEAD" ${ARGN})
   set(target compile_fail_${ARG_NAME})
   # The regular expression each compiler's output must match: the message, and the names as that
   # compiler prints them.
@@ -248,6 +250,10 @@ function(meshlib_add_compile_fail_test)
       set(regex_${c} "(${ARG_REGEX}.*${names_${c}}|${names_${c}}.*${ARG_REGEX})")
     endforeach()
   endif()
+  foreach(text IN LISTS ARG_HEAD)  # the same on both compilers
+    string(APPEND head_gcc "|${text}")
+    string(APPEND head_clang "|${text}")
+  endforeach()
   # Never built: it gives the tests the flags a user's target gets (_meshlib_flags_file).
   add_library(${target} OBJECT EXCLUDE_FROM_ALL ${ARG_SOURCE})
   target_link_libraries(${target} PRIVATE meshlib::meshlib ${ARG_LIBRARIES})

@@ -555,6 +555,10 @@ namespace meshlib::core::detail {
 template <class... T>
 inline constexpr bool always_false = false;
 
+/// Marks a check whose diagnostic has already fired inside: always true, so that the
+/// `static_assert` around a class-level check never adds a second error.
+constexpr bool diagnosed(bool) noexcept { return true; }
+
 /// `diagnostic::op` and `diagnostic::axis` for the characters of `Name::value` (a `std::string_view`
 /// static member). The name comes in a class, not as a `std::string_view const&` template argument:
 /// nvcc's front end (13.0) writes a reference template argument into the host code as a pointer
@@ -630,6 +634,9 @@ using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagno
 namespace meshlib::diagnostic {
 /// False for every argument list, once the arguments are known: a diagnostic's condition.
 using core::detail::always_false;
+/// Always true: wraps a check whose diagnostic has already fired inside, so that the
+/// `static_assert` around a class-level check adds no second error.
+using core::detail::diagnosed;
 /// `op` for the name `"conv2d"`: how a layer names itself in errors (its
 /// `diagnostic_name`).
 template <fixed_string Name>
@@ -640,6 +647,10 @@ using axes_t = core::detail::diag_axes_t<Mesh, Mask>;
 /// `axis` for the name `"model"`: how a layer names an axis in its errors.
 template <fixed_string Name>
 using axis_t = core::detail::diag_axis_t<Name>;
+/// `axis` for the name `Name::value` (a `std::string_view` static member): an axis name held by a
+/// type, as a policy's `axis` (a class, not a reference template argument: see `diag_name`).
+template <class Name>
+using axis_named_t = typename core::detail::diag_name<Name>::axis;
 }  // namespace meshlib::diagnostic
 // end meshlib/core/diagnostics.hpp
 
@@ -647,13 +658,46 @@ namespace meshlib {
 
 namespace core::detail {
 
+/// The position of the first of `Axes` whose name an earlier one already has (`sizeof...(Axes)`: none).
 template <class... Axes>
-consteval bool axis_names_unique() {
+consteval std::size_t first_repeated_axis() {
   constexpr std::array<std::string_view, sizeof...(Axes)> names{Axes::name.view()...};
-  for (std::size_t i = 0; i < names.size(); ++i)
-    for (std::size_t j = i + 1; j < names.size(); ++j)
-      if (names[i] == names[j]) return false;
-  return true;
+  for (std::size_t j = 1; j < names.size(); ++j)
+    for (std::size_t i = 0; i < j; ++i)
+      if (names[i] == names[j]) return j;
+  return names.size();
+}
+
+/// The name of axis `I` of `Axes`, with static storage (what `diag_name` reads).
+template <std::size_t I, class... Axes>
+struct nth_axis_name {
+  static constexpr std::string_view value = std::array<std::string_view, sizeof...(Axes)>{Axes::name.view()...}[I];
+};
+
+/// The name of `Axis`, with static storage.
+template <class Axis>
+struct axis_name_of {
+  static constexpr std::string_view value = Axis::name.view();
+};
+
+template <class Axis, class MeshAxes>
+consteval bool mesh_names_an_axis_twice() {
+  static_assert(always_false<Axis, MeshAxes>,
+                "meshlib: two axes of this mesh have the same name (the name and the mesh's axes are spelled out in "
+                "the condition); each axis name must be unique");
+  return false;
+}
+
+/// True when the names of `Axes` are unique; otherwise fires the one diagnostic, naming the axis.
+template <class... Axes>
+consteval bool diagnose_axis_names() {
+  constexpr std::size_t at = first_repeated_axis<Axes...>();
+  if constexpr (at == sizeof...(Axes)) {
+    return true;
+  } else {
+    return mesh_names_an_axis_twice<typename diag_name<nth_axis_name<at, Axes...>>::axis,
+                                    diagnostic::axes<typename diag_name<axis_name_of<Axes>>::axis...>>();
+  }
 }
 
 template <class Axis, class MeshAxes>
@@ -679,8 +723,7 @@ using axis_mask = unsigned;
 template <mesh_axis... Axes>
 class mesh {
   static_assert(sizeof...(Axes) > 0, "meshlib: a mesh needs at least one axis");
-  static_assert(core::detail::axis_names_unique<Axes...>(),
-                "meshlib: two axes of this mesh have the same name; each axis name must be unique");
+  static_assert(core::detail::diagnosed(core::detail::diagnose_axis_names<Axes...>()));
   static_assert(sizeof...(Axes) <= 8 * sizeof(axis_mask), "meshlib: too many mesh axes");
 
  public:
@@ -1157,10 +1200,6 @@ struct diag_spec_impl<Spec, std::index_sequence<D...>> {
 /// A partition spec spelled out for a diagnostic: `spec<axes<axis<'d','a','t','a'>>, axes<>>`.
 template <class Spec>
 using diag_spec_t = typename diag_spec_impl<Spec>::type;
-
-/// Marks a check whose diagnostic has already fired inside (core/diagnostics.hpp): always true, so
-/// that the `static_assert` around a class-level check never adds a second error.
-constexpr bool diagnosed(bool) noexcept { return true; }
 
 // The diagnostics below name the offending axis and spec in their failing condition (see
 // core/diagnostics.hpp): one error on GCC and Clang.

@@ -1028,6 +1028,9 @@ struct network_input {};
 /// on every device), and not a pending sum.
 template <class Axes>
 struct features_sharded_over {};
+/// A layer's need: the rows (the batch, dimension 0) sharded over exactly `Axes` (`batch_norm`'s data axis).
+template <class Axes>
+struct rows_sharded_over {};
 /// A layer's need: values that are not a pending sum (an elementwise map of a sum is not the sum
 /// of the maps).
 struct complete_values {};
@@ -1982,6 +1985,16 @@ class row_norm {
 
 namespace meshlib::nn {
 
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool layer_norm_input_sharded() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                "feature dimension first (the condition spells out the layer, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
+
 /// @brief Layer normalisation over the last dimension, scale `g` (init 1) and shift `b` (init 0), replicated.
 template <class T, mesh_type Mesh>
 class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
@@ -2002,13 +2015,16 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
-    static_assert(base::template accepts_input<X>,
-                  "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
-                  "feature dimension first");
-    const auto f = this->begin_forward(x);  // stat: 1/std per row
-    detail::layer_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, b.value.local(f.dev).data(),
-                                                     f.rows, f.n, this->eps_);
-    return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    if constexpr (!base::template accepts_input<X>) {
+      static_cast<void>(detail::layer_norm_input_sharded<typename base::diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                         typename base::input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto f = this->begin_forward(x);  // stat: 1/std per row
+      detail::layer_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, b.value.local(f.dev).data(),
+                                                       f.rows, f.n, this->eps_);
+      return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    }
   }
 
   /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.
@@ -2409,6 +2425,17 @@ std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int3
 
 namespace meshlib::nn {
 
+namespace detail {
+template <class Layer, class ModelAxis, class Ids>
+consteval bool embedding_ids_not_replicated() {
+  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Ids>,
+                "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
+                "of a model group looks up the same tokens in its own vocabulary range; the condition spells out the "
+                "layer, its model axis and the ids' layout): shard the ids over the data axis only");
+  return false;
+}
+}  // namespace detail
+
 /// @brief A token embedding sharded over the vocabulary along `Model` (see the file comment).
 template <class T, mesh_type Mesh, fixed_string Model = "model">
 class embedding {
@@ -2470,10 +2497,10 @@ class embedding {
     static_cast<void>(require_kernel_can_read<"embedding.forward", "ids", Ids>());
     static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
                   "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
-    static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
-                  "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
-                  "of a model group looks up the same tokens in its own vocabulary range)");
     if constexpr (!accepts_input<Ids>) {
+      if constexpr (std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1)
+        static_cast<void>(detail::embedding_ids_not_replicated<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
+                                                               meshlib::diagnostic::value_t<Ids>>());
       return {};  // the one diagnostic above has fired; nothing else may
     } else {
       using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range
@@ -3914,6 +3941,18 @@ void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/conv2d_kernels.hpp
 
+namespace meshlib::diagnostic {
+/// An image shape known at compile time, `height x width x channels`, in a compile-time error.
+template <std::size_t Height, std::size_t Width, std::size_t Channels>
+struct image {};
+/// A convolution's kernel size (`kernel<3>`: 3 x 3), in a compile-time error.
+template <std::size_t Size>
+struct kernel {};
+/// The zeros a convolution adds on every side of its input, in a compile-time error.
+template <std::size_t Size>
+struct padding {};
+}  // namespace meshlib::diagnostic
+
 namespace meshlib::nn {
 
 /// @brief How `conv2d` computes its forward (and the patches its weight gradient needs); every
@@ -3924,6 +3963,17 @@ enum class conv2d_algorithm {
   direct,     ///< each output pixel straight from the input, 16 output channels at a time (no patches)
   pointwise,  ///< a 1x1 kernel without padding: the input pixels (every `stride`-th) are the patches
 };
+
+namespace detail {
+template <class Image, class Kernel, class Padding>
+consteval bool conv2d_kernel_larger_than_input() {
+  static_assert(meshlib::diagnostic::always_false<Image, Kernel, Padding>,
+                "meshlib::nn: conv2d: the input image (In, with O.padding on every side) is smaller than the Kernel x "
+                "Kernel kernel (the condition spells out the image, the kernel and the padding); use a smaller "
+                "kernel, pad by more, or remove a pooling layer before it");
+  return false;
+}
+}  // namespace detail
 
 /// @brief The options of `conv2d` (flax's names): stride and zero padding on both spatial
 /// dimensions, whether the layer adds a bias (off before a `batch_norm`, which cancels it), and
@@ -3946,17 +3996,20 @@ struct conv2d_options {
 /// @endcode
 template <image_shape In, std::size_t OutChannels, std::size_t Kernel, conv2d_options O = conv2d_options{}>
 consteval image_shape conv2d_output_shape() {
-  static_assert(Kernel >= 1 && O.stride >= 1 && OutChannels >= 1 && In.size() >= 1,
+  constexpr bool sizes = Kernel >= 1 && O.stride >= 1 && OutChannels >= 1 && In.size() >= 1;
+  static_assert(sizes,
                 "meshlib::nn: conv2d: kernel, stride, output channels and the image's height, width and channels "
                 "must be at least 1");
-  static_assert(In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel,
-                "meshlib::nn: conv2d: the input image (In, with O.padding on every side) is smaller than the Kernel x "
-                "Kernel kernel; use a smaller kernel, pad by more, or remove a pooling layer before it");
-  if constexpr (Kernel >= 1 && O.stride >= 1 && In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel)
+  if constexpr (sizes && In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel) {
     return {(In.height + 2 * O.padding - Kernel) / O.stride + 1, (In.width + 2 * O.padding - Kernel) / O.stride + 1,
             OutChannels};
-  else
+  } else {
+    if constexpr (sizes)  // one error: the sizes' own above, else this one
+      static_cast<void>(detail::conv2d_kernel_larger_than_input<meshlib::diagnostic::image<In.height, In.width, In.channels>,
+                                                                meshlib::diagnostic::kernel<Kernel>,
+                                                                meshlib::diagnostic::padding<O.padding>>());
     return {};
+  }
 }
 
 namespace detail {
@@ -3967,6 +4020,15 @@ consteval bool image_layer_accepts() {
   if constexpr (!std::is_same_v<typename X::mesh_type, Mesh> || !std::is_same_v<typename X::value_type, T>) return false;
   else if constexpr (X::rank != 2) return false;
   else return X::partial == 0 && X::dims_type::at(1) == 0;
+}
+
+template <class Layer, class Receives, class Needs>
+consteval bool conv2d_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
+                "element type, with unsharded features: shard the batch over the data axis, not the pixels (the "
+                "condition spells out the layer, the input's layout and what it needs)");
+  return false;
 }
 
 /// The cotangent check of a layer whose output shape differs from its input's: `dy` must be
@@ -4078,39 +4140,41 @@ class conv2d {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"conv2d.forward", "x", X>());
-    static_assert(accepts_input<X>,
-                  "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
-                  "element type, with unsharded features: shard the batch over the data axis, not the pixels");
-    const std::size_t dev = x.device(), n = x.extent(0);
-    if (x.extent(1) != in_.size())
-      throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    const detail::conv_geometry g = geometry();
-    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
-    saved_[dev] = {n, true, x.data()};
-    T* y = out_buf_.get(dev, m * cout);
-    const T* xp = x.data();
-    const T* wp = w.value.local(dev).data();
-    const T* bias = opt_.use_bias ? b.value.local(dev).data() : nullptr;
-    if (algo_ == conv2d_algorithm::direct) {
-      detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
+    if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::conv2d_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
     } else {
-      // Blocks of output pixels: their patches (im2col into a block buffer, or the input rows
-      // themselves), then at once `Y[r0:r1] = bias; Y[r0:r1] += patches W`, while both are in the cache.
-      T* cols = unpacked() ? nullptr : cols_.get(dev, std::min(m, block_rows(m)) * kk);
-      for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
-        const std::size_t r1 = std::min(m, r0 + rows);
-        const T* patches = xp + r0 * kk;
-        if (unpacked()) {
-          if (bias != nullptr) detail::bias_rows<default_memory_space>(y, bias, cout, r0, r1);
-        } else {
-          detail::im2col<default_memory_space>(cols, xp, g, r0, r1, y, bias);
-          patches = cols;
+      const std::size_t dev = x.device(), n = x.extent(0);
+      if (x.extent(1) != in_.size())
+        throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+      const detail::conv_geometry g = geometry();
+      const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
+      saved_[dev] = {n, true, x.data()};
+      T* y = out_buf_.get(dev, m * cout);
+      const T* xp = x.data();
+      const T* wp = w.value.local(dev).data();
+      const T* bias = opt_.use_bias ? b.value.local(dev).data() : nullptr;
+      if (algo_ == conv2d_algorithm::direct) {
+        detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
+      } else {
+        // Blocks of output pixels: their patches (im2col into a block buffer, or the input rows
+        // themselves), then at once `Y[r0:r1] = bias; Y[r0:r1] += patches W`, while both are in the cache.
+        T* cols = unpacked() ? nullptr : cols_.get(dev, std::min(m, block_rows(m)) * kk);
+        for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
+          const std::size_t r1 = std::min(m, r0 + rows);
+          const T* patches = xp + r0 * kk;
+          if (unpacked()) {
+            if (bias != nullptr) detail::bias_rows<default_memory_space>(y, bias, cout, r0, r1);
+          } else {
+            detail::im2col<default_memory_space>(cols, xp, g, r0, r1, y, bias);
+            patches = cols;
+          }
+          matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
+                      {.beta = bias != nullptr ? 1.0 : 0.0});
         }
-        matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
-                    {.beta = bias != nullptr ? 1.0 : 0.0});
       }
+      return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
     }
-    return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
   }
 
   /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when
@@ -4603,6 +4667,17 @@ class global_avg_pool {
 
 namespace meshlib::nn {
 
+namespace detail {
+template <class Layer, class Receives, class NeedsRows, class NeedsFeatures>
+consteval bool batch_norm_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, NeedsRows, NeedsFeatures>,
+                "meshlib::nn: batch_norm takes a complete rank-2 block of rows of its mesh and element type whose "
+                "rows (the batch) are sharded over exactly its data axis and whose features are not sharded (the "
+                "condition spells out the layer, the input's layout and what its rows and features need)");
+  return false;
+}
+}  // namespace detail
+
 /// @brief Batch normalisation over the channels of NHWC images, statistics synchronised over the
 /// data axis `Data` (see the file comment). Scale `g` (init 1) and shift `b` (init 0) are replicated.
 template <class T, mesh_type Mesh, fixed_string Data = "data">
@@ -4681,40 +4756,44 @@ class batch_norm {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"batch_norm.forward", "x", X>());
-    static_assert(accepts_input<X>,
-                  "meshlib::nn: batch_norm takes a complete rank-2 block of rows of its mesh and element type whose "
-                  "rows (the batch) are sharded over exactly its data axis and whose features are not sharded");
-    const std::size_t dev = x.device(), rows = x.extent(0);
-    if (x.extent(1) != in_.size()) throw sharding_error(width_error(x.extent(1)));
-    const std::size_t c = in_.channels, np = rows * in_.pixels();
-    const T count = static_cast<T>(x.global_extent(0) * in_.pixels());
-    saved_[dev] = {rows, true, train_, count};
-    T* st = stats_.get(dev, 4 * c);  // sums, squared deviations, mean, 1 / std
-    T* mean = st + 2 * c;
-    T* rstd = st + 3 * c;
-    const T* xp = x.data();
-    const T eps = eps_;
-    T* run_mean = running_mean_.local(dev).data();
-    T* run_var = running_var_.local(dev).data();
-    if (train_) {
-      T* s = st;
-      T* q = st + c;
-      detail::channel_sums<default_memory_space>(s, xp, static_cast<const T*>(nullptr), np, c, T{1});
-      (void)meshlib::psum<Data>(detail::wrap1<sums_t>(s, c, x.mesh(), dev));  // donated: summed in place
-      detail::channel_sums<default_memory_space>(q, xp, s, np, c, count);
-      (void)meshlib::psum<Data>(detail::wrap1<sums_t>(q, c, x.mesh(), dev));
-      const T mom = momentum_;
-      const T unbias = count > T{1} ? count / (count - T{1}) : T{1};
-      detail::batch_statistics<default_memory_space>(mean, rstd, run_mean, run_var, s, q, c, count, eps, mom, unbias);
+    if constexpr (!accepts_input<X>) {
+      using rows_need = meshlib::diagnostic::rows_sharded_over<meshlib::diagnostic::axes_t<Mesh, data_mask>>;
+      static_cast<void>(detail::batch_norm_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                              rows_need, input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
     } else {
-      detail::running_statistics<default_memory_space>(mean, rstd, run_mean, run_var, c, eps);
+      const std::size_t dev = x.device(), rows = x.extent(0);
+      if (x.extent(1) != in_.size()) throw sharding_error(width_error(x.extent(1)));
+      const std::size_t c = in_.channels, np = rows * in_.pixels();
+      const T count = static_cast<T>(x.global_extent(0) * in_.pixels());
+      saved_[dev] = {rows, true, train_, count};
+      T* st = stats_.get(dev, 4 * c);  // sums, squared deviations, mean, 1 / std
+      T* mean = st + 2 * c;
+      T* rstd = st + 3 * c;
+      const T* xp = x.data();
+      const T eps = eps_;
+      T* run_mean = running_mean_.local(dev).data();
+      T* run_var = running_var_.local(dev).data();
+      if (train_) {
+        T* s = st;
+        T* q = st + c;
+        detail::channel_sums<default_memory_space>(s, xp, static_cast<const T*>(nullptr), np, c, T{1});
+        (void)meshlib::psum<Data>(detail::wrap1<sums_t>(s, c, x.mesh(), dev));  // donated: summed in place
+        detail::channel_sums<default_memory_space>(q, xp, s, np, c, count);
+        (void)meshlib::psum<Data>(detail::wrap1<sums_t>(q, c, x.mesh(), dev));
+        const T mom = momentum_;
+        const T unbias = count > T{1} ? count / (count - T{1}) : T{1};
+        detail::batch_statistics<default_memory_space>(mean, rstd, run_mean, run_var, s, q, c, count, eps, mom, unbias);
+      } else {
+        detail::running_statistics<default_memory_space>(mean, rstd, run_mean, run_var, c, eps);
+      }
+      T* xh = xhat_.get(dev, np * c);
+      T* y = out_.get(dev, np * c);
+      const T* gv = g.value.local(dev).data();
+      const T* bv = b.value.local(dev).data();
+      detail::batch_normalize<default_memory_space>(y, xh, xp, mean, rstd, gv, bv, np, c);
+      return X(typename X::view_type(y, rows, in_.size()), x.mesh(), dev);
     }
-    T* xh = xhat_.get(dev, np * c);
-    T* y = out_.get(dev, np * c);
-    const T* gv = g.value.local(dev).data();
-    const T* bv = b.value.local(dev).data();
-    detail::batch_normalize<default_memory_space>(y, xh, xp, mean, rstd, gv, bv, np, c);
-    return X(typename X::view_type(y, rows, in_.size()), x.mesh(), dev);
   }
 
   /// The cotangent of the input (when `need_dx`; otherwise its contents are unspecified); accumulates
@@ -5060,15 +5139,38 @@ struct layer_hooks {
   virtual void after_backward(std::size_t layer, std::size_t dev) = 0;
 };
 
-template <bool Ok, std::size_t Layer, class Input, class Cotangent>
-struct backward_cotangent_type_differs_from_input {
-  static_assert(Ok,
-                "meshlib::nn: sequential: the backward of the layer numbered in "
-                "backward_cotangent_type_differs_from_input<ok, layer, input type, cotangent type> returns a "
-                "cotangent whose type (vary, partial, dims) differs from its forward input's: its backward pass "
-                "does not transpose its forward collectives");
-  static constexpr bool value = Ok;
+template <class Layer, class Input, class Cotangent>
+consteval bool backward_cotangent_type_differs_from_input() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Input, Cotangent>,
+                "meshlib::nn: sequential: the backward of a layer returns a cotangent whose type (vary, partial, "
+                "dims) differs from its forward input's: its backward pass does not transpose its forward "
+                "collectives. The condition spells out backward_cotangent_type_differs_from_input<the layer (index, "
+                "kind), its input's layout, the cotangent's layout> (the whole types where the layouts agree)");
+  return false;
+}
+
+/// What the diagnostic above shows of `A` beside `B`: their layouts where those differ, else the types.
+template <class A, class B>
+struct cotangent_diagnostic {
+  using type = A;
 };
+template <local_tensor_type A, local_tensor_type B>
+  requires(!std::is_same_v<meshlib::diagnostic::value_t<A>, meshlib::diagnostic::value_t<B>>)
+struct cotangent_diagnostic<A, B> {
+  using type = meshlib::diagnostic::value_t<A>;
+};
+
+/// True when the backward of layer `I` (of type `L`) returned `DX`, its input's type `In`; otherwise
+/// fires the one diagnostic, naming the layer and both layouts.
+template <std::size_t I, class L, class In, class DX>
+consteval bool check_cotangent_type() {
+  if constexpr (std::is_same_v<In, DX>)
+    return true;
+  else
+    return backward_cotangent_type_differs_from_input<meshlib::diagnostic::layer<I, typename layer_diagnostic_name<L>::type>,
+                                                      typename cotangent_diagnostic<In, DX>::type,
+                                                      typename cotangent_diagnostic<DX, In>::type>();
+}
 
 /// Whether `sequential` fuses the backward of `Above`, an elementwise activation, with that of
 /// `Below`, the dense layer whose output it takes (`basic_dense::backward_through`).
@@ -5247,9 +5349,8 @@ class sequential {
     auto dx = detail::layer_backward<in_t>(std::get<I>(layers), dy, I > 0 || need_dx);
     if (hooks != nullptr) hooks->after_backward(I, dy.device());
     if (I > 0 || need_dx) round(dx);
-    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
-                                                                            decltype(dx)>) > 0);  // one error, its own
-    if constexpr (I == 0) return dx;
+    constexpr bool transposed = detail::check_cotangent_type<I, layer_t<I>, in_t, decltype(dx)>();  // one error, its own
+    if constexpr (I == 0 || !transposed) return dx;  // (not into the layers below: no second error)
     else return backward_from<X, I - 1>(dx, need_dx);
   }
 
@@ -5260,9 +5361,8 @@ class sequential {
     using Fn = typename layer_t<I>::activation_function;
     const auto act = std::get<I>(layers).fused_backward_operands(dy);
     auto dx = std::get<I - 1>(layers).template backward_through<Fn>(dy, act.x, act.dx, I > 1 || need_dx);
-    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I - 1,
-                                                                            in_t, decltype(dx)>) > 0);
-    if constexpr (I == 1) return dx;
+    constexpr bool transposed = detail::check_cotangent_type<I - 1, layer_t<I - 1>, in_t, decltype(dx)>();
+    if constexpr (I == 1 || !transposed) return dx;
     else return backward_from<X, I - 2>(dx, need_dx);
   }
 
@@ -7574,12 +7674,12 @@ inline constexpr bool is_pair_like_v<std::pair<A, B>> = true;
 template <class A, class B>
 inline constexpr bool is_pair_like_v<std::tuple<A, B>> = true;
 
-template <class Returned>
+template <class Op, class Returned>
 consteval bool aux_loss_is_not_a_pair() {
-  static_assert(always_false_v<Returned>,
+  static_assert(always_false_v<Op, Returned>,
                 "meshlib::nn: value_and_grad with nn::has_aux: the loss function must return a pair (loss, aux), "
-                "a std::pair or a two-element std::tuple (the type it returned is spelled out in the condition); "
-                "return std::pair(loss, aux), or drop nn::has_aux");
+                "a std::pair or a two-element std::tuple (the condition spells out the call and the type it "
+                "returned); return std::pair(loss, aux), or drop nn::has_aux");
   return false;
 }
 
@@ -7642,7 +7742,8 @@ class value_and_grad_fn {
       if constexpr (std::is_same_v<decltype(r), bool>) return;  // the loss diagnostic has fired
       else return r;
     } else if constexpr (!is_pair_like_v<Returned>) {
-      static_cast<void>(aux_loss_is_not_a_pair<Returned>());  // the one diagnostic has fired
+      // the one diagnostic fires
+      static_cast<void>(aux_loss_is_not_a_pair<meshlib::diagnostic::op_t<"value_and_grad">, Returned>());
     } else {
       // The aux leaves before the tape is walked: it holds the forward values, untouched.
       auto aux = aux_out(std::get<1>(returned));
@@ -10378,14 +10479,22 @@ template <class W, class C>
 inline constexpr bool reduction_at_least_compute =
     std::is_same_v<W, float> || std::is_same_v<W, double> || std::is_same_v<C, float> || std::is_same_v<W, C>;
 
-template <bool Ok, class Reduction, class Compute>
-struct gradient_reduction_type_narrower_than_compute_type {
-  static_assert(Ok,
+template <class Reduction, class Compute>
+consteval bool gradient_reduction_type_narrower_than_compute_type() {
+  static_assert(meshlib::diagnostic::always_false<Reduction, Compute>,
                 "meshlib::nn: train_state: the gradient reduction type (first argument of "
-                "gradient_reduction_type_narrower_than_compute_type<ok, reduction, compute>) is narrower than the "
+                "gradient_reduction_type_narrower_than_compute_type<reduction, compute>) is narrower than the "
                 "compute type (second argument); reduce 16-bit gradients in float or in their own type");
-  static constexpr bool value = Ok;
-};
+  return false;
+}
+
+/// True when gradients computed in `C` may be reduced in `W`; otherwise fires the one diagnostic,
+/// naming both types.
+template <class W, class C>
+consteval bool check_reduction_type() {
+  if constexpr (reduction_at_least_compute<W, C>) return true;
+  else return gradient_reduction_type_narrower_than_compute_type<W, C>();
+}
 
 }  // namespace detail
 }  // namespace nn
@@ -10472,6 +10581,33 @@ constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
 /// The text of a template argument nvcc's front end has turned into a `const char*`.
 constexpr std::string_view text_of(const char* s) noexcept { return s; }
 
+/// The axis name of the policy `P`, with static storage (what a diagnostic's `axis` reads).
+template <class P>
+struct policy_axis_name {
+  static constexpr std::string_view value = P::axis.view();
+};
+
+template <class Policy, class Axis, class MeshAxes>
+consteval bool policy_axis_not_in_mesh() {
+  static_assert(meshlib::diagnostic::always_false<Policy, Axis, MeshAxes>,
+                "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have (the policy, its "
+                "axis and the mesh's axes are spelled out in the condition); add the axis to the mesh or give the "
+                "policy one of the mesh's axes");
+  return false;
+}
+
+/// Fires `policy_axis_not_in_mesh` for the first of the policies `P, Ps...` over an axis `Mesh` lacks.
+template <class Mesh, class P, class... Ps>
+consteval bool diagnose_policy_axes() {
+  if constexpr (!Mesh::template has_axis<P::axis>)
+    return policy_axis_not_in_mesh<P, meshlib::diagnostic::axis_named_t<policy_axis_name<P>>,
+                                   meshlib::diagnostic::axes_t<Mesh, Mesh::all_axes>>();
+  else if constexpr (sizeof...(Ps) == 0)
+    return true;
+  else
+    return diagnose_policy_axes<Mesh, Ps...>();
+}
+
 /// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
 template <class Model>
 concept sequential_model = requires(Model& net) {
@@ -10502,8 +10638,7 @@ constexpr void check_policies() {
                             "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
                             "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
   } else if constexpr (!in_mesh) {
-    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
-                           "add the axis to the mesh or give the policy one of the mesh's axes");
+    static_cast<void>(diagnose_policy_axes<Mesh, Ps...>());  // one error, naming the policy and its axis
   } else if constexpr (!state_axes) {
     static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
                               "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "
@@ -14337,9 +14472,8 @@ struct train_options {
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
           compute_precision Compute = float, fixed_string Fsdp = "fsdp", fixed_string Pipe = "pipeline">
 class train_state {
-  // Instantiating the checker fires its one static_assert (naming both types) when they clash.
-  static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
-                       detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
+  // The checker fires its one static_assert (naming both types) when they clash.
+  static_assert(meshlib::diagnostic::diagnosed(detail::check_reduction_type<Wire, Compute>()));
 
   /// The policies a state runs: each parallelism at most once, over the state's axes.
   struct policy_set {

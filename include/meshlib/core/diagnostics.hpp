@@ -93,6 +93,10 @@ namespace meshlib::core::detail {
 template <class... T>
 inline constexpr bool always_false = false;
 
+/// Marks a check whose diagnostic has already fired inside: always true, so that the
+/// `static_assert` around a class-level check never adds a second error.
+constexpr bool diagnosed(bool) noexcept { return true; }
+
 /// `diagnostic::op` and `diagnostic::axis` for the characters of `Name::value` (a `std::string_view`
 /// static member). The name comes in a class, not as a `std::string_view const&` template argument:
 /// nvcc's front end (13.0) writes a reference template argument into the host code as a pointer
@@ -168,6 +172,9 @@ using diag_size_t = std::conditional_t<N == static_cast<std::size_t>(-1), diagno
 namespace meshlib::diagnostic {
 /// False for every argument list, once the arguments are known: a diagnostic's condition.
 using core::detail::always_false;
+/// Always true: wraps a check whose diagnostic has already fired inside, so that the
+/// `static_assert` around a class-level check adds no second error.
+using core::detail::diagnosed;
 /// `op` for the name `"conv2d"`: how a layer names itself in errors (its
 /// `diagnostic_name`).
 template <fixed_string Name>
@@ -178,4 +185,8 @@ using axes_t = core::detail::diag_axes_t<Mesh, Mask>;
 /// `axis` for the name `"model"`: how a layer names an axis in its errors.
 template <fixed_string Name>
 using axis_t = core::detail::diag_axis_t<Name>;
+/// `axis` for the name `Name::value` (a `std::string_view` static member): an axis name held by a
+/// type, as a policy's `axis` (a class, not a reference template argument: see `diag_name`).
+template <class Name>
+using axis_named_t = typename core::detail::diag_name<Name>::axis;
 }  // namespace meshlib::diagnostic

@@ -27,13 +27,46 @@ namespace meshlib {
 
 namespace core::detail {
 
+/// The position of the first of `Axes` whose name an earlier one already has (`sizeof...(Axes)`: none).
 template <class... Axes>
-consteval bool axis_names_unique() {
+consteval std::size_t first_repeated_axis() {
   constexpr std::array<std::string_view, sizeof...(Axes)> names{Axes::name.view()...};
-  for (std::size_t i = 0; i < names.size(); ++i)
-    for (std::size_t j = i + 1; j < names.size(); ++j)
-      if (names[i] == names[j]) return false;
-  return true;
+  for (std::size_t j = 1; j < names.size(); ++j)
+    for (std::size_t i = 0; i < j; ++i)
+      if (names[i] == names[j]) return j;
+  return names.size();
+}
+
+/// The name of axis `I` of `Axes`, with static storage (what `diag_name` reads).
+template <std::size_t I, class... Axes>
+struct nth_axis_name {
+  static constexpr std::string_view value = std::array<std::string_view, sizeof...(Axes)>{Axes::name.view()...}[I];
+};
+
+/// The name of `Axis`, with static storage.
+template <class Axis>
+struct axis_name_of {
+  static constexpr std::string_view value = Axis::name.view();
+};
+
+template <class Axis, class MeshAxes>
+consteval bool mesh_names_an_axis_twice() {
+  static_assert(always_false<Axis, MeshAxes>,
+                "meshlib: two axes of this mesh have the same name (the name and the mesh's axes are spelled out in "
+                "the condition); each axis name must be unique");
+  return false;
+}
+
+/// True when the names of `Axes` are unique; otherwise fires the one diagnostic, naming the axis.
+template <class... Axes>
+consteval bool diagnose_axis_names() {
+  constexpr std::size_t at = first_repeated_axis<Axes...>();
+  if constexpr (at == sizeof...(Axes)) {
+    return true;
+  } else {
+    return mesh_names_an_axis_twice<typename diag_name<nth_axis_name<at, Axes...>>::axis,
+                                    diagnostic::axes<typename diag_name<axis_name_of<Axes>>::axis...>>();
+  }
 }
 
 template <class Axis, class MeshAxes>
@@ -59,8 +92,7 @@ using axis_mask = unsigned;
 template <mesh_axis... Axes>
 class mesh {
   static_assert(sizeof...(Axes) > 0, "meshlib: a mesh needs at least one axis");
-  static_assert(core::detail::axis_names_unique<Axes...>(),
-                "meshlib: two axes of this mesh have the same name; each axis name must be unique");
+  static_assert(core::detail::diagnosed(core::detail::diagnose_axis_names<Axes...>()));
   static_assert(sizeof...(Axes) <= 8 * sizeof(axis_mask), "meshlib: too many mesh axes");
 
  public:

@@ -73,10 +73,6 @@ struct diag_spec_impl<Spec, std::index_sequence<D...>> {
 template <class Spec>
 using diag_spec_t = typename diag_spec_impl<Spec>::type;
 
-/// Marks a check whose diagnostic has already fired inside (core/diagnostics.hpp): always true, so
-/// that the `static_assert` around a class-level check never adds a second error.
-constexpr bool diagnosed(bool) noexcept { return true; }
-
 // The diagnostics below name the offending axis and spec in their failing condition (see
 // core/diagnostics.hpp): one error on GCC and Clang.
 template <class Axis, class Spec, class MeshAxes>

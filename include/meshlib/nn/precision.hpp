@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "meshlib/comm/datatype.hpp"
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
@@ -117,14 +118,22 @@ template <class W, class C>
 inline constexpr bool reduction_at_least_compute =
     std::is_same_v<W, float> || std::is_same_v<W, double> || std::is_same_v<C, float> || std::is_same_v<W, C>;
 
-template <bool Ok, class Reduction, class Compute>
-struct gradient_reduction_type_narrower_than_compute_type {
-  static_assert(Ok,
+template <class Reduction, class Compute>
+consteval bool gradient_reduction_type_narrower_than_compute_type() {
+  static_assert(meshlib::diagnostic::always_false<Reduction, Compute>,
                 "meshlib::nn: train_state: the gradient reduction type (first argument of "
-                "gradient_reduction_type_narrower_than_compute_type<ok, reduction, compute>) is narrower than the "
+                "gradient_reduction_type_narrower_than_compute_type<reduction, compute>) is narrower than the "
                 "compute type (second argument); reduce 16-bit gradients in float or in their own type");
-  static constexpr bool value = Ok;
-};
+  return false;
+}
+
+/// True when gradients computed in `C` may be reduced in `W`; otherwise fires the one diagnostic,
+/// naming both types.
+template <class W, class C>
+consteval bool check_reduction_type() {
+  if constexpr (reduction_at_least_compute<W, C>) return true;
+  else return gradient_reduction_type_narrower_than_compute_type<W, C>();
+}
 
 }  // namespace detail
 }  // namespace nn

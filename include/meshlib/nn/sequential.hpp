@@ -52,15 +52,38 @@ struct layer_hooks {
   virtual void after_backward(std::size_t layer, std::size_t dev) = 0;
 };
 
-template <bool Ok, std::size_t Layer, class Input, class Cotangent>
-struct backward_cotangent_type_differs_from_input {
-  static_assert(Ok,
-                "meshlib::nn: sequential: the backward of the layer numbered in "
-                "backward_cotangent_type_differs_from_input<ok, layer, input type, cotangent type> returns a "
-                "cotangent whose type (vary, partial, dims) differs from its forward input's: its backward pass "
-                "does not transpose its forward collectives");
-  static constexpr bool value = Ok;
+template <class Layer, class Input, class Cotangent>
+consteval bool backward_cotangent_type_differs_from_input() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Input, Cotangent>,
+                "meshlib::nn: sequential: the backward of a layer returns a cotangent whose type (vary, partial, "
+                "dims) differs from its forward input's: its backward pass does not transpose its forward "
+                "collectives. The condition spells out backward_cotangent_type_differs_from_input<the layer (index, "
+                "kind), its input's layout, the cotangent's layout> (the whole types where the layouts agree)");
+  return false;
+}
+
+/// What the diagnostic above shows of `A` beside `B`: their layouts where those differ, else the types.
+template <class A, class B>
+struct cotangent_diagnostic {
+  using type = A;
 };
+template <local_tensor_type A, local_tensor_type B>
+  requires(!std::is_same_v<meshlib::diagnostic::value_t<A>, meshlib::diagnostic::value_t<B>>)
+struct cotangent_diagnostic<A, B> {
+  using type = meshlib::diagnostic::value_t<A>;
+};
+
+/// True when the backward of layer `I` (of type `L`) returned `DX`, its input's type `In`; otherwise
+/// fires the one diagnostic, naming the layer and both layouts.
+template <std::size_t I, class L, class In, class DX>
+consteval bool check_cotangent_type() {
+  if constexpr (std::is_same_v<In, DX>)
+    return true;
+  else
+    return backward_cotangent_type_differs_from_input<meshlib::diagnostic::layer<I, typename layer_diagnostic_name<L>::type>,
+                                                      typename cotangent_diagnostic<In, DX>::type,
+                                                      typename cotangent_diagnostic<DX, In>::type>();
+}
 
 /// Whether `sequential` fuses the backward of `Above`, an elementwise activation, with that of
 /// `Below`, the dense layer whose output it takes (`basic_dense::backward_through`).
@@ -239,9 +262,8 @@ class sequential {
     auto dx = detail::layer_backward<in_t>(std::get<I>(layers), dy, I > 0 || need_dx);
     if (hooks != nullptr) hooks->after_backward(I, dy.device());
     if (I > 0 || need_dx) round(dx);
-    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I, in_t,
-                                                                            decltype(dx)>) > 0);  // one error, its own
-    if constexpr (I == 0) return dx;
+    constexpr bool transposed = detail::check_cotangent_type<I, layer_t<I>, in_t, decltype(dx)>();  // one error, its own
+    if constexpr (I == 0 || !transposed) return dx;  // (not into the layers below: no second error)
     else return backward_from<X, I - 1>(dx, need_dx);
   }
 
@@ -252,9 +274,8 @@ class sequential {
     using Fn = typename layer_t<I>::activation_function;
     const auto act = std::get<I>(layers).fused_backward_operands(dy);
     auto dx = std::get<I - 1>(layers).template backward_through<Fn>(dy, act.x, act.dx, I > 1 || need_dx);
-    static_assert(sizeof(detail::backward_cotangent_type_differs_from_input<std::is_same_v<decltype(dx), in_t>, I - 1,
-                                                                            in_t, decltype(dx)>) > 0);
-    if constexpr (I == 1) return dx;
+    constexpr bool transposed = detail::check_cotangent_type<I - 1, layer_t<I - 1>, in_t, decltype(dx)>();
+    if constexpr (I == 1 || !transposed) return dx;
     else return backward_from<X, I - 2>(dx, need_dx);
   }
 

@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/errors.hpp"
 #include "meshlib/nn/autodiff/traced.hpp"
 #include "meshlib/tensor/elementwise.hpp"
@@ -139,12 +140,12 @@ inline constexpr bool is_pair_like_v<std::pair<A, B>> = true;
 template <class A, class B>
 inline constexpr bool is_pair_like_v<std::tuple<A, B>> = true;
 
-template <class Returned>
+template <class Op, class Returned>
 consteval bool aux_loss_is_not_a_pair() {
-  static_assert(always_false_v<Returned>,
+  static_assert(always_false_v<Op, Returned>,
                 "meshlib::nn: value_and_grad with nn::has_aux: the loss function must return a pair (loss, aux), "
-                "a std::pair or a two-element std::tuple (the type it returned is spelled out in the condition); "
-                "return std::pair(loss, aux), or drop nn::has_aux");
+                "a std::pair or a two-element std::tuple (the condition spells out the call and the type it "
+                "returned); return std::pair(loss, aux), or drop nn::has_aux");
   return false;
 }
 
@@ -207,7 +208,8 @@ class value_and_grad_fn {
       if constexpr (std::is_same_v<decltype(r), bool>) return;  // the loss diagnostic has fired
       else return r;
     } else if constexpr (!is_pair_like_v<Returned>) {
-      static_cast<void>(aux_loss_is_not_a_pair<Returned>());  // the one diagnostic has fired
+      // the one diagnostic fires
+      static_cast<void>(aux_loss_is_not_a_pair<meshlib::diagnostic::op_t<"value_and_grad">, Returned>());
     } else {
       // The aux leaves before the tape is walked: it holds the forward values, untouched.
       auto aux = aux_out(std::get<1>(returned));

@@ -53,6 +53,17 @@
 
 namespace meshlib::nn {
 
+namespace detail {
+template <class Layer, class Receives, class NeedsRows, class NeedsFeatures>
+consteval bool batch_norm_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, NeedsRows, NeedsFeatures>,
+                "meshlib::nn: batch_norm takes a complete rank-2 block of rows of its mesh and element type whose "
+                "rows (the batch) are sharded over exactly its data axis and whose features are not sharded (the "
+                "condition spells out the layer, the input's layout and what its rows and features need)");
+  return false;
+}
+}  // namespace detail
+
 /// @brief Batch normalisation over the channels of NHWC images, statistics synchronised over the
 /// data axis `Data` (see the file comment). Scale `g` (init 1) and shift `b` (init 0) are replicated.
 template <class T, mesh_type Mesh, fixed_string Data = "data">
@@ -131,40 +142,44 @@ class batch_norm {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"batch_norm.forward", "x", X>());
-    static_assert(accepts_input<X>,
-                  "meshlib::nn: batch_norm takes a complete rank-2 block of rows of its mesh and element type whose "
-                  "rows (the batch) are sharded over exactly its data axis and whose features are not sharded");
-    const std::size_t dev = x.device(), rows = x.extent(0);
-    if (x.extent(1) != in_.size()) throw sharding_error(width_error(x.extent(1)));
-    const std::size_t c = in_.channels, np = rows * in_.pixels();
-    const T count = static_cast<T>(x.global_extent(0) * in_.pixels());
-    saved_[dev] = {rows, true, train_, count};
-    T* st = stats_.get(dev, 4 * c);  // sums, squared deviations, mean, 1 / std
-    T* mean = st + 2 * c;
-    T* rstd = st + 3 * c;
-    const T* xp = x.data();
-    const T eps = eps_;
-    T* run_mean = running_mean_.local(dev).data();
-    T* run_var = running_var_.local(dev).data();
-    if (train_) {
-      T* s = st;
-      T* q = st + c;
-      detail::channel_sums<default_memory_space>(s, xp, static_cast<const T*>(nullptr), np, c, T{1});
-      (void)meshlib::psum<Data>(detail::wrap1<sums_t>(s, c, x.mesh(), dev));  // donated: summed in place
-      detail::channel_sums<default_memory_space>(q, xp, s, np, c, count);
-      (void)meshlib::psum<Data>(detail::wrap1<sums_t>(q, c, x.mesh(), dev));
-      const T mom = momentum_;
-      const T unbias = count > T{1} ? count / (count - T{1}) : T{1};
-      detail::batch_statistics<default_memory_space>(mean, rstd, run_mean, run_var, s, q, c, count, eps, mom, unbias);
+    if constexpr (!accepts_input<X>) {
+      using rows_need = meshlib::diagnostic::rows_sharded_over<meshlib::diagnostic::axes_t<Mesh, data_mask>>;
+      static_cast<void>(detail::batch_norm_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                              rows_need, input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
     } else {
-      detail::running_statistics<default_memory_space>(mean, rstd, run_mean, run_var, c, eps);
+      const std::size_t dev = x.device(), rows = x.extent(0);
+      if (x.extent(1) != in_.size()) throw sharding_error(width_error(x.extent(1)));
+      const std::size_t c = in_.channels, np = rows * in_.pixels();
+      const T count = static_cast<T>(x.global_extent(0) * in_.pixels());
+      saved_[dev] = {rows, true, train_, count};
+      T* st = stats_.get(dev, 4 * c);  // sums, squared deviations, mean, 1 / std
+      T* mean = st + 2 * c;
+      T* rstd = st + 3 * c;
+      const T* xp = x.data();
+      const T eps = eps_;
+      T* run_mean = running_mean_.local(dev).data();
+      T* run_var = running_var_.local(dev).data();
+      if (train_) {
+        T* s = st;
+        T* q = st + c;
+        detail::channel_sums<default_memory_space>(s, xp, static_cast<const T*>(nullptr), np, c, T{1});
+        (void)meshlib::psum<Data>(detail::wrap1<sums_t>(s, c, x.mesh(), dev));  // donated: summed in place
+        detail::channel_sums<default_memory_space>(q, xp, s, np, c, count);
+        (void)meshlib::psum<Data>(detail::wrap1<sums_t>(q, c, x.mesh(), dev));
+        const T mom = momentum_;
+        const T unbias = count > T{1} ? count / (count - T{1}) : T{1};
+        detail::batch_statistics<default_memory_space>(mean, rstd, run_mean, run_var, s, q, c, count, eps, mom, unbias);
+      } else {
+        detail::running_statistics<default_memory_space>(mean, rstd, run_mean, run_var, c, eps);
+      }
+      T* xh = xhat_.get(dev, np * c);
+      T* y = out_.get(dev, np * c);
+      const T* gv = g.value.local(dev).data();
+      const T* bv = b.value.local(dev).data();
+      detail::batch_normalize<default_memory_space>(y, xh, xp, mean, rstd, gv, bv, np, c);
+      return X(typename X::view_type(y, rows, in_.size()), x.mesh(), dev);
     }
-    T* xh = xhat_.get(dev, np * c);
-    T* y = out_.get(dev, np * c);
-    const T* gv = g.value.local(dev).data();
-    const T* bv = b.value.local(dev).data();
-    detail::batch_normalize<default_memory_space>(y, xh, xp, mean, rstd, gv, bv, np, c);
-    return X(typename X::view_type(y, rows, in_.size()), x.mesh(), dev);
   }
 
   /// The cotangent of the input (when `need_dx`; otherwise its contents are unspecified); accumulates

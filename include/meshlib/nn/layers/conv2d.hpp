@@ -56,6 +56,18 @@
 #include "meshlib/tensor/matmul_into.hpp"
 #include "meshlib/tensor/pointer_check.hpp"
 
+namespace meshlib::diagnostic {
+/// An image shape known at compile time, `height x width x channels`, in a compile-time error.
+template <std::size_t Height, std::size_t Width, std::size_t Channels>
+struct image {};
+/// A convolution's kernel size (`kernel<3>`: 3 x 3), in a compile-time error.
+template <std::size_t Size>
+struct kernel {};
+/// The zeros a convolution adds on every side of its input, in a compile-time error.
+template <std::size_t Size>
+struct padding {};
+}  // namespace meshlib::diagnostic
+
 namespace meshlib::nn {
 
 /// @brief How `conv2d` computes its forward (and the patches its weight gradient needs); every
@@ -66,6 +78,17 @@ enum class conv2d_algorithm {
   direct,     ///< each output pixel straight from the input, 16 output channels at a time (no patches)
   pointwise,  ///< a 1x1 kernel without padding: the input pixels (every `stride`-th) are the patches
 };
+
+namespace detail {
+template <class Image, class Kernel, class Padding>
+consteval bool conv2d_kernel_larger_than_input() {
+  static_assert(meshlib::diagnostic::always_false<Image, Kernel, Padding>,
+                "meshlib::nn: conv2d: the input image (In, with O.padding on every side) is smaller than the Kernel x "
+                "Kernel kernel (the condition spells out the image, the kernel and the padding); use a smaller "
+                "kernel, pad by more, or remove a pooling layer before it");
+  return false;
+}
+}  // namespace detail
 
 /// @brief The options of `conv2d` (flax's names): stride and zero padding on both spatial
 /// dimensions, whether the layer adds a bias (off before a `batch_norm`, which cancels it), and
@@ -88,17 +111,20 @@ struct conv2d_options {
 /// @endcode
 template <image_shape In, std::size_t OutChannels, std::size_t Kernel, conv2d_options O = conv2d_options{}>
 consteval image_shape conv2d_output_shape() {
-  static_assert(Kernel >= 1 && O.stride >= 1 && OutChannels >= 1 && In.size() >= 1,
+  constexpr bool sizes = Kernel >= 1 && O.stride >= 1 && OutChannels >= 1 && In.size() >= 1;
+  static_assert(sizes,
                 "meshlib::nn: conv2d: kernel, stride, output channels and the image's height, width and channels "
                 "must be at least 1");
-  static_assert(In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel,
-                "meshlib::nn: conv2d: the input image (In, with O.padding on every side) is smaller than the Kernel x "
-                "Kernel kernel; use a smaller kernel, pad by more, or remove a pooling layer before it");
-  if constexpr (Kernel >= 1 && O.stride >= 1 && In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel)
+  if constexpr (sizes && In.height + 2 * O.padding >= Kernel && In.width + 2 * O.padding >= Kernel) {
     return {(In.height + 2 * O.padding - Kernel) / O.stride + 1, (In.width + 2 * O.padding - Kernel) / O.stride + 1,
             OutChannels};
-  else
+  } else {
+    if constexpr (sizes)  // one error: the sizes' own above, else this one
+      static_cast<void>(detail::conv2d_kernel_larger_than_input<meshlib::diagnostic::image<In.height, In.width, In.channels>,
+                                                                meshlib::diagnostic::kernel<Kernel>,
+                                                                meshlib::diagnostic::padding<O.padding>>());
     return {};
+  }
 }
 
 namespace detail {
@@ -109,6 +135,15 @@ consteval bool image_layer_accepts() {
   if constexpr (!std::is_same_v<typename X::mesh_type, Mesh> || !std::is_same_v<typename X::value_type, T>) return false;
   else if constexpr (X::rank != 2) return false;
   else return X::partial == 0 && X::dims_type::at(1) == 0;
+}
+
+template <class Layer, class Receives, class Needs>
+consteval bool conv2d_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
+                "element type, with unsharded features: shard the batch over the data axis, not the pixels (the "
+                "condition spells out the layer, the input's layout and what it needs)");
+  return false;
 }
 
 /// The cotangent check of a layer whose output shape differs from its input's: `dy` must be
@@ -220,39 +255,41 @@ class conv2d {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"conv2d.forward", "x", X>());
-    static_assert(accepts_input<X>,
-                  "meshlib::nn: conv2d takes a complete rank-2 block of rows (images, NHWC, flattened) of its mesh and "
-                  "element type, with unsharded features: shard the batch over the data axis, not the pixels");
-    const std::size_t dev = x.device(), n = x.extent(0);
-    if (x.extent(1) != in_.size())
-      throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    const detail::conv_geometry g = geometry();
-    const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
-    saved_[dev] = {n, true, x.data()};
-    T* y = out_buf_.get(dev, m * cout);
-    const T* xp = x.data();
-    const T* wp = w.value.local(dev).data();
-    const T* bias = opt_.use_bias ? b.value.local(dev).data() : nullptr;
-    if (algo_ == conv2d_algorithm::direct) {
-      detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
+    if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::conv2d_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
     } else {
-      // Blocks of output pixels: their patches (im2col into a block buffer, or the input rows
-      // themselves), then at once `Y[r0:r1] = bias; Y[r0:r1] += patches W`, while both are in the cache.
-      T* cols = unpacked() ? nullptr : cols_.get(dev, std::min(m, block_rows(m)) * kk);
-      for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
-        const std::size_t r1 = std::min(m, r0 + rows);
-        const T* patches = xp + r0 * kk;
-        if (unpacked()) {
-          if (bias != nullptr) detail::bias_rows<default_memory_space>(y, bias, cout, r0, r1);
-        } else {
-          detail::im2col<default_memory_space>(cols, xp, g, r0, r1, y, bias);
-          patches = cols;
+      const std::size_t dev = x.device(), n = x.extent(0);
+      if (x.extent(1) != in_.size())
+        throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+      const detail::conv_geometry g = geometry();
+      const std::size_t m = n * g.ho * g.wo, kk = g.patch(), cout = g.cout;
+      saved_[dev] = {n, true, x.data()};
+      T* y = out_buf_.get(dev, m * cout);
+      const T* xp = x.data();
+      const T* wp = w.value.local(dev).data();
+      const T* bias = opt_.use_bias ? b.value.local(dev).data() : nullptr;
+      if (algo_ == conv2d_algorithm::direct) {
+        detail::direct_conv<default_memory_space>(y, xp, wp, bias, g, n);
+      } else {
+        // Blocks of output pixels: their patches (im2col into a block buffer, or the input rows
+        // themselves), then at once `Y[r0:r1] = bias; Y[r0:r1] += patches W`, while both are in the cache.
+        T* cols = unpacked() ? nullptr : cols_.get(dev, std::min(m, block_rows(m)) * kk);
+        for (std::size_t r0 = 0, rows = block_rows(m); r0 < m; r0 += rows) {
+          const std::size_t r1 = std::min(m, r0 + rows);
+          const T* patches = xp + r0 * kk;
+          if (unpacked()) {
+            if (bias != nullptr) detail::bias_rows<default_memory_space>(y, bias, cout, r0, r1);
+          } else {
+            detail::im2col<default_memory_space>(cols, xp, g, r0, r1, y, bias);
+            patches = cols;
+          }
+          matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
+                      {.beta = bias != nullptr ? 1.0 : 0.0});
         }
-        matmul_into(view(y + r0 * cout, r1 - r0, cout), cview(patches, r1 - r0, kk), cview(wp, kk, cout),
-                    {.beta = bias != nullptr ? 1.0 : 0.0});
       }
+      return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
     }
-    return X(typename X::view_type(y, n, g.ho * g.wo * cout), x.mesh(), dev);
   }
 
   /// Accumulates `dW += patches^T dy` and `db += column sums of dy` (overwrites them when

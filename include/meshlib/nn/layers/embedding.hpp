@@ -50,6 +50,17 @@
 
 namespace meshlib::nn {
 
+namespace detail {
+template <class Layer, class ModelAxis, class Ids>
+consteval bool embedding_ids_not_replicated() {
+  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Ids>,
+                "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
+                "of a model group looks up the same tokens in its own vocabulary range; the condition spells out the "
+                "layer, its model axis and the ids' layout): shard the ids over the data axis only");
+  return false;
+}
+}  // namespace detail
+
 /// @brief A token embedding sharded over the vocabulary along `Model` (see the file comment).
 template <class T, mesh_type Mesh, fixed_string Model = "model">
 class embedding {
@@ -111,10 +122,10 @@ class embedding {
     static_cast<void>(require_kernel_can_read<"embedding.forward", "ids", Ids>());
     static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
                   "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
-    static_assert(Ids::partial == 0 && (Ids::vary & model_mask) == 0,
-                  "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
-                  "of a model group looks up the same tokens in its own vocabulary range)");
     if constexpr (!accepts_input<Ids>) {
+      if constexpr (std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1)
+        static_cast<void>(detail::embedding_ids_not_replicated<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
+                                                               meshlib::diagnostic::value_t<Ids>>());
       return {};  // the one diagnostic above has fired; nothing else may
     } else {
       using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range

@@ -25,6 +25,16 @@
 
 namespace meshlib::nn {
 
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool layer_norm_input_sharded() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                "feature dimension first (the condition spells out the layer, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
+
 /// @brief Layer normalisation over the last dimension, scale `g` (init 1) and shift `b` (init 0), replicated.
 template <class T, mesh_type Mesh>
 class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
@@ -45,13 +55,16 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
-    static_assert(base::template accepts_input<X>,
-                  "meshlib::nn: layer_norm normalises over complete, unsharded features: all_gather (or psum) the "
-                  "feature dimension first");
-    const auto f = this->begin_forward(x);  // stat: 1/std per row
-    detail::layer_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, b.value.local(f.dev).data(),
-                                                     f.rows, f.n, this->eps_);
-    return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    if constexpr (!base::template accepts_input<X>) {
+      static_cast<void>(detail::layer_norm_input_sharded<typename base::diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                         typename base::input_requirement>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto f = this->begin_forward(x);  // stat: 1/std per row
+      detail::layer_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, b.value.local(f.dev).data(),
+                                                       f.rows, f.n, this->eps_);
+      return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    }
   }
 
   /// The cotangent of the input; accumulates the gradients of `g` and `b`. The second argument (need_dx) is ignored.

@@ -41,6 +41,9 @@ struct network_input {};
 /// on every device), and not a pending sum.
 template <class Axes>
 struct features_sharded_over {};
+/// A layer's need: the rows (the batch, dimension 0) sharded over exactly `Axes` (`batch_norm`'s data axis).
+template <class Axes>
+struct rows_sharded_over {};
 /// A layer's need: values that are not a pending sum (an elementwise map of a sum is not the sum
 /// of the maps).
 struct complete_values {};

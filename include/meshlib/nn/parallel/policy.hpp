@@ -18,6 +18,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "meshlib/core/diagnostics.hpp"
 #include "meshlib/core/fixed_string.hpp"
 
 namespace meshlib::nn {
@@ -81,6 +82,33 @@ constexpr std::string_view text_of(const fixed_string<N>& s) noexcept {
 /// The text of a template argument nvcc's front end has turned into a `const char*`.
 constexpr std::string_view text_of(const char* s) noexcept { return s; }
 
+/// The axis name of the policy `P`, with static storage (what a diagnostic's `axis` reads).
+template <class P>
+struct policy_axis_name {
+  static constexpr std::string_view value = P::axis.view();
+};
+
+template <class Policy, class Axis, class MeshAxes>
+consteval bool policy_axis_not_in_mesh() {
+  static_assert(meshlib::diagnostic::always_false<Policy, Axis, MeshAxes>,
+                "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have (the policy, its "
+                "axis and the mesh's axes are spelled out in the condition); add the axis to the mesh or give the "
+                "policy one of the mesh's axes");
+  return false;
+}
+
+/// Fires `policy_axis_not_in_mesh` for the first of the policies `P, Ps...` over an axis `Mesh` lacks.
+template <class Mesh, class P, class... Ps>
+consteval bool diagnose_policy_axes() {
+  if constexpr (!Mesh::template has_axis<P::axis>)
+    return policy_axis_not_in_mesh<P, meshlib::diagnostic::axis_named_t<policy_axis_name<P>>,
+                                   meshlib::diagnostic::axes_t<Mesh, Mesh::all_axes>>();
+  else if constexpr (sizeof...(Ps) == 0)
+    return true;
+  else
+    return diagnose_policy_axes<Mesh, Ps...>();
+}
+
 /// Whether `Model` is a `sequential` (what FSDP's hooks and the pipeline's stages need).
 template <class Model>
 concept sequential_model = requires(Model& net) {
@@ -111,8 +139,7 @@ constexpr void check_policies() {
                             "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
                             "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
   } else if constexpr (!in_mesh) {
-    static_assert(in_mesh, "meshlib::nn: train_state: a parallel policy names an axis the mesh does not have; "
-                           "add the axis to the mesh or give the policy one of the mesh's axes");
+    static_cast<void>(diagnose_policy_axes<Mesh, Ps...>());  // one error, naming the policy and its axis
   } else if constexpr (!state_axes) {
     static_assert(state_axes, "meshlib::nn: train_state: a parallel policy's axis is not the train_state's "
                               "(its Data, Fsdp or Pipe template argument); let the constructor deduce the "

@@ -91,9 +91,8 @@ struct train_options {
 template <mesh_type Mesh, class Model, fixed_string Data = "data", comm_element Wire = float,
           compute_precision Compute = float, fixed_string Fsdp = "fsdp", fixed_string Pipe = "pipeline">
 class train_state {
-  // Instantiating the checker fires its one static_assert (naming both types) when they clash.
-  static_assert(sizeof(detail::gradient_reduction_type_narrower_than_compute_type<
-                       detail::reduction_at_least_compute<Wire, Compute>, Wire, Compute>) > 0);
+  // The checker fires its one static_assert (naming both types) when they clash.
+  static_assert(meshlib::diagnostic::diagnosed(detail::check_reduction_type<Wire, Compute>()));
 
   /// The policies a state runs: each parallelism at most once, over the state's axes.
   struct policy_set {
