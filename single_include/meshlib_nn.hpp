@@ -1060,17 +1060,19 @@ std::string sharded_over_text(axis_mask axes) {
   return names.empty() ? "" : " sharded over " + names;
 }
 
-/// The check of an elementwise layer's backward: `dy` (`rows x cols` on device `dev`) must be shaped
-/// as the last forward's input there (`ran`: a forward ran there). `who`: `"relu"`, `"ln1 (...)"`.
-inline void check_same_shape_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols,
-                                       bool ran, std::size_t fwd_rows, std::size_t fwd_cols) {
+/// The check of a layer's backward: `dy` (`rows x cols` on device `dev`) must be shaped as the last
+/// forward's output there (`fwd_rows x fwd_cols`; `ran`: a forward ran there), whether the layer
+/// keeps its input's shape (`relu`, norms) or not (`conv2d`, pools, `embedding`, `tied_head`).
+/// `who`: `"relu"`, `"ln1 (...)"`.
+inline void check_output_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols,
+                                   bool ran, std::size_t fwd_rows, std::size_t fwd_cols) {
   const std::string head = "meshlib::nn: " + who + ".backward";
   if (!ran)
     throw sharding_error(head + " ran on device " + std::to_string(dev) +
                          " before any forward there; run forward first (backward uses what it saved)");
   if (rows != fwd_rows || cols != fwd_cols)
     throw sharding_error(head + " received a cotangent of (" + std::to_string(rows) + ", " + std::to_string(cols) +
-                         ") on device " + std::to_string(dev) + ", but the forward input there was (" +
+                         ") on device " + std::to_string(dev) + ", but the forward output there was (" +
                          std::to_string(fwd_rows) + ", " + std::to_string(fwd_cols) +
                          "); pass the cotangent of the last forward's output");
 }
@@ -1534,7 +1536,7 @@ class elementwise_activation {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [x, rows, cols] = saved_[dev];
-    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
+    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
     const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
@@ -1559,7 +1561,7 @@ class elementwise_activation {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const saved s = saved_[dev];
-    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), s.x != nullptr, s.rows, s.cols);
+    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), s.x != nullptr, s.rows, s.cols);
     return {s.x, dx_.get(dev, dy.size())};
   }
 
@@ -1962,7 +1964,7 @@ class row_norm {
   template <class DY>
   backward_block begin_backward(const DY& dy) {
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
-    detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+    detail::check_output_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);
     return {dev, rows, n, dy.data(), g.value.local(dev).data(), xh, xh + rows * n, dx_.get(dev, rows * n),
             g.grad.local(dev).data()};
@@ -2531,7 +2533,7 @@ class embedding {
     const auto [ids, rows] = saved_[dev];
     const auto tl = table.local(dev);
     const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
     const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
     T* g = table.grad.local(dev).data();
     const T* dyp = dy.data();
@@ -2701,7 +2703,7 @@ class positional_embedding {
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
     const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
-    detail::check_same_shape_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+    detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     T* g = table.grad.local(dev).data();
     const T* dyp = dy.data();
     detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
@@ -2822,7 +2824,7 @@ class tied_head {
     const auto [x, rows] = saved_[dev];
     const auto tl = table_.local(dev);
     const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
     const cview dyv(dy.data(), rows, vl);
     matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
     T* dx = dx_.get(dev, rows * d);
@@ -3407,7 +3409,7 @@ class dropout {
     if (!train_ || rate_ <= 0.0f) return dy;
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [rows, cols, ran] = shape_[dev];
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
     const T* mask = mask_.get(dev, n);
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
@@ -4031,20 +4033,6 @@ consteval bool conv2d_input_does_not_fit() {
   return false;
 }
 
-/// The cotangent check of a layer whose output shape differs from its input's: `dy` must be
-/// `rows x cols`, the last forward's output on this device (`ran`: a forward ran there).
-inline void check_output_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols, bool ran,
-                                   std::size_t fwd_rows, std::size_t fwd_cols) {
-  const std::string head = "meshlib::nn: " + who + ".backward";
-  if (!ran)
-    throw sharding_error(head + " ran on device " + std::to_string(dev) +
-                         " before any forward there; run forward first (backward uses what it saved)");
-  if (rows != fwd_rows || cols != fwd_cols)
-    throw sharding_error(head + " received a cotangent of (" + std::to_string(rows) + ", " + std::to_string(cols) +
-                         ") on device " + std::to_string(dev) + ", but the forward output there was (" +
-                         std::to_string(fwd_rows) + ", " + std::to_string(fwd_cols) +
-                         "); pass the cotangent of the last forward's output");
-}
 }  // namespace detail
 
 /// @brief A 2-D convolution on NHWC images (see the file comment); weight and bias replicated.
@@ -4804,7 +4792,7 @@ class batch_norm {
     static_cast<void>(require_kernel_can_read<"batch_norm.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const saved sv = saved_[dev];
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), sv.ran, sv.rows, in_.size());
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), sv.ran, sv.rows, in_.size());
     const std::size_t c = in_.channels, np = sv.rows * in_.pixels();
     const T* st = stats_.get(dev, 4 * c);
     const T* rstd = st + 3 * c;
@@ -5020,7 +5008,7 @@ class residual {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
     const std::size_t dev = dy.device();
-    detail::check_same_shape_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran,
+    detail::check_output_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran,
                                rows_[dev].rows, rows_[dev].cols);
     const auto dm = detail::branch_backward(main, dy, need_dx);
     const auto ds = detail::branch_backward(shortcut, dy, need_dx);

@@ -164,7 +164,7 @@ TEST_CASE("layer norm, activations and dropout check their input and cotangent s
           ln.forward(x.local_value(dev));
           ln.backward(x12.local_value(dev));
         }) == "meshlib::nn: ln1 (layer_norm over 16 features).backward received a cotangent of (4, 12) on device 0, "
-              "but the forward input there was (4, 16); pass the cotangent of the last forward's output");
+              "but the forward output there was (4, 16); pass the cotangent of the last forward's output");
   nn::relu<float> act(one);
   CHECK(device_cause(one, [&](std::size_t dev) { act.backward(x.local_value(dev)); }) ==
         "meshlib::nn: relu.backward ran on device 0 before any forward there; run forward first (backward uses what "
@@ -172,7 +172,7 @@ TEST_CASE("layer norm, activations and dropout check their input and cotangent s
   CHECK(device_cause(one, [&](std::size_t dev) {
           act.forward(x.local_value(dev));
           act.backward(x2.local_value(dev));
-        }) == "meshlib::nn: relu.backward received a cotangent of (2, 16) on device 0, but the forward input there was "
+        }) == "meshlib::nn: relu.backward received a cotangent of (2, 16) on device 0, but the forward output there was "
               "(4, 16); pass the cotangent of the last forward's output");
   nn::dropout<float> drop(one, "drop1", 0.25f);
   drop.begin_step(key, true);
@@ -180,7 +180,7 @@ TEST_CASE("layer norm, activations and dropout check their input and cotangent s
           drop.forward(x.local_value(dev));
           drop.backward(x8.local_value(dev));
         }) == "meshlib::nn: drop1 (dropout 0.25).backward received a cotangent of (4, 8) on device 0, but the forward "
-              "input there was (4, 16); pass the cotangent of the last forward's output");
+              "output there was (4, 16); pass the cotangent of the last forward's output");
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -67,7 +67,7 @@ class elementwise_activation {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [x, rows, cols] = saved_[dev];
-    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
+    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();
     const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
@@ -92,7 +92,7 @@ class elementwise_activation {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const saved s = saved_[dev];
-    check_same_shape_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), s.x != nullptr, s.rows, s.cols);
+    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), s.x != nullptr, s.rows, s.cols);
     return {s.x, dx_.get(dev, dy.size())};
   }
 

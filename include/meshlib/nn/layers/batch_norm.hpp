@@ -190,7 +190,7 @@ class batch_norm {
     static_cast<void>(require_kernel_can_read<"batch_norm.backward", "dy", DY>());
     const std::size_t dev = dy.device();
     const saved sv = saved_[dev];
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), sv.ran, sv.rows, in_.size());
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), sv.ran, sv.rows, in_.size());
     const std::size_t c = in_.channels, np = sv.rows * in_.pixels();
     const T* st = stats_.get(dev, 4 * c);
     const T* rstd = st + 3 * c;

@@ -146,20 +146,6 @@ consteval bool conv2d_input_does_not_fit() {
   return false;
 }
 
-/// The cotangent check of a layer whose output shape differs from its input's: `dy` must be
-/// `rows x cols`, the last forward's output on this device (`ran`: a forward ran there).
-inline void check_output_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols, bool ran,
-                                   std::size_t fwd_rows, std::size_t fwd_cols) {
-  const std::string head = "meshlib::nn: " + who + ".backward";
-  if (!ran)
-    throw sharding_error(head + " ran on device " + std::to_string(dev) +
-                         " before any forward there; run forward first (backward uses what it saved)");
-  if (rows != fwd_rows || cols != fwd_cols)
-    throw sharding_error(head + " received a cotangent of (" + std::to_string(rows) + ", " + std::to_string(cols) +
-                         ") on device " + std::to_string(dev) + ", but the forward output there was (" +
-                         std::to_string(fwd_rows) + ", " + std::to_string(fwd_cols) +
-                         "); pass the cotangent of the last forward's output");
-}
 }  // namespace detail
 
 /// @brief A 2-D convolution on NHWC images (see the file comment); weight and bias replicated.

@@ -79,7 +79,7 @@ class dropout {
     if (!train_ || rate_ <= 0.0f) return dy;
     const std::size_t dev = dy.device(), n = dy.size();
     const auto [rows, cols, ran] = shape_[dev];
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
     const T* mask = mask_.get(dev, n);
     T* dx = dx_.get(dev, n);
     const T* d = dy.data();

@@ -156,7 +156,7 @@ class embedding {
     const auto [ids, rows] = saved_[dev];
     const auto tl = table.local(dev);
     const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
     const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
     T* g = table.grad.local(dev).data();
     const T* dyp = dy.data();

@@ -122,7 +122,7 @@ class positional_embedding {
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
     const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
-    detail::check_same_shape_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+    detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     T* g = table.grad.local(dev).data();
     const T* dyp = dy.data();
     detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);

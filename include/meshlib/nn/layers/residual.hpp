@@ -149,7 +149,7 @@ class residual {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
     const std::size_t dev = dy.device();
-    detail::check_same_shape_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran,
+    detail::check_output_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran,
                                rows_[dev].rows, rows_[dev].cols);
     const auto dm = detail::branch_backward(main, dy, need_dx);
     const auto ds = detail::branch_backward(shortcut, dy, need_dx);

@@ -108,7 +108,7 @@ class row_norm {
   template <class DY>
   backward_block begin_backward(const DY& dy) {
     const std::size_t dev = dy.device(), rows = dy.extent(0), n = dy.extent(1);
-    detail::check_same_shape_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+    detail::check_output_cotangent(to_string(), dev, rows, n, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
     const T* xh = xhat_.get(dev, rows * n + rows);
     return {dev, rows, n, dy.data(), g.value.local(dev).data(), xh, xh + rows * n, dx_.get(dev, rows * n),
             g.grad.local(dev).data()};

@@ -73,17 +73,19 @@ std::string sharded_over_text(axis_mask axes) {
   return names.empty() ? "" : " sharded over " + names;
 }
 
-/// The check of an elementwise layer's backward: `dy` (`rows x cols` on device `dev`) must be shaped
-/// as the last forward's input there (`ran`: a forward ran there). `who`: `"relu"`, `"ln1 (...)"`.
-inline void check_same_shape_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols,
-                                       bool ran, std::size_t fwd_rows, std::size_t fwd_cols) {
+/// The check of a layer's backward: `dy` (`rows x cols` on device `dev`) must be shaped as the last
+/// forward's output there (`fwd_rows x fwd_cols`; `ran`: a forward ran there), whether the layer
+/// keeps its input's shape (`relu`, norms) or not (`conv2d`, pools, `embedding`, `tied_head`).
+/// `who`: `"relu"`, `"ln1 (...)"`.
+inline void check_output_cotangent(const std::string& who, std::size_t dev, std::size_t rows, std::size_t cols,
+                                   bool ran, std::size_t fwd_rows, std::size_t fwd_cols) {
   const std::string head = "meshlib::nn: " + who + ".backward";
   if (!ran)
     throw sharding_error(head + " ran on device " + std::to_string(dev) +
                          " before any forward there; run forward first (backward uses what it saved)");
   if (rows != fwd_rows || cols != fwd_cols)
     throw sharding_error(head + " received a cotangent of (" + std::to_string(rows) + ", " + std::to_string(cols) +
-                         ") on device " + std::to_string(dev) + ", but the forward input there was (" +
+                         ") on device " + std::to_string(dev) + ", but the forward output there was (" +
                          std::to_string(fwd_rows) + ", " + std::to_string(fwd_cols) +
                          "); pass the cotangent of the last forward's output");
 }

@@ -105,7 +105,7 @@ class tied_head {
     const auto [x, rows] = saved_[dev];
     const auto tl = table_.local(dev);
     const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_same_shape_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
+    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
     const cview dyv(dy.data(), rows, vl);
     matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
     T* dx = dx_.get(dev, rows * d);
