@@ -10542,23 +10542,47 @@ template <parallelism K, fixed_string Default, class P, class... Ps>
 struct policy_axis<K, Default, P, Ps...>
     : std::conditional_t<P::kind == K, policy_axis_found<P>, policy_axis<K, Default, Ps...>> {};
 
+/// Whether the policy `P` is a `data_parallel` over a second axis (`data_parallel<"data", "fsdp">`).
+template <class P>
+constexpr bool has_second_axis() {
+  if constexpr (requires { P::second_axis.view(); }) return !P::second_axis.view().empty();
+  else return false;
+}
+/// `value`: the second axis of the `data_parallel` among `Ps` that has one, else `Default` (the
+/// train state's second batch axis when no `fully_shard` names it).
+template <fixed_string Default, class... Ps>
+struct second_data_axis {
+  static constexpr auto value = Default;
+};
+template <class P>
+struct second_data_axis_found {
+  static constexpr auto value = P::second_axis;
+};
+template <fixed_string Default, class P, class... Ps>
+  requires parallel_policy<P>
+struct second_data_axis<Default, P, Ps...>
+    : std::conditional_t<has_second_axis<P>(), second_data_axis_found<P>, second_data_axis<Default, Ps...>> {};
+
 /// How many of the policies `Ps` are of kind `K`.
 template <parallelism K, class... Ps>
 inline constexpr std::size_t policy_count_v = (std::size_t{0} + ... + std::size_t{Ps::kind == K});
 
-/// Whether two of the policies `Ps` name the same mesh axis.
+/// The second axis of the policy `P` ("" for a policy without one).
+template <class P>
+constexpr std::string_view second_axis_text() {
+  if constexpr (has_second_axis<P>()) return P::second_axis.view();
+  else return {};
+}
+
+/// Whether two of the policies `Ps` (a `data_parallel`'s two axes included) name the same mesh axis.
 template <class... Ps>
 constexpr bool policies_share_an_axis() {
-  constexpr std::size_t n = sizeof...(Ps);
-  if constexpr (n < 2) {
-    return false;
-  } else {
-    const std::string_view names[n] = {Ps::axis.view()...};
-    for (std::size_t i = 0; i < n; ++i)
-      for (std::size_t j = i + 1; j < n; ++j)
-        if (names[i] == names[j]) return true;
-    return false;
-  }
+  const std::string_view names[] = {std::string_view{}, Ps::axis.view()..., second_axis_text<Ps>()...};
+  constexpr std::size_t n = 1 + 2 * sizeof...(Ps);
+  for (std::size_t i = 1; i < n; ++i)
+    for (std::size_t j = i + 1; j < n; ++j)
+      if (!names[i].empty() && names[i] == names[j]) return true;
+  return false;
 }
 
 /// The text of a `fixed_string` template argument (an axis's name in `train_state`'s checks and messages).
@@ -10584,11 +10608,27 @@ consteval bool policy_axis_not_in_mesh() {
   return false;
 }
 
+/// The second axis name of the `data_parallel` `P`, with static storage (what a diagnostic's `axis` reads).
+template <class P>
+struct policy_second_axis_name {
+  static constexpr std::string_view value = P::second_axis.view();
+};
+
+/// Whether the mesh `Mesh` has the second axis of the policy `P` (true for a policy without one).
+template <class Mesh, class P>
+constexpr bool second_axis_in_mesh() {
+  if constexpr (has_second_axis<P>()) return Mesh::template has_axis<P::second_axis>;
+  else return true;
+}
+
 /// Fires `policy_axis_not_in_mesh` for the first of the policies `P, Ps...` over an axis `Mesh` lacks.
 template <class Mesh, class P, class... Ps>
 consteval bool diagnose_policy_axes() {
   if constexpr (!Mesh::template has_axis<P::axis>)
     return policy_axis_not_in_mesh<P, meshlib::diagnostic::axis_named_t<policy_axis_name<P>>,
+                                   meshlib::diagnostic::axes_t<Mesh, Mesh::all_axes>>();
+  else if constexpr (!second_axis_in_mesh<Mesh, P>())
+    return policy_axis_not_in_mesh<P, meshlib::diagnostic::axis_named_t<policy_second_axis_name<P>>,
                                    meshlib::diagnostic::axes_t<Mesh, Mesh::all_axes>>();
   else if constexpr (sizeof...(Ps) == 0)
     return true;
@@ -10603,26 +10643,37 @@ concept sequential_model = requires(Model& net) {
   net.template params_per_layer<float>();
 };
 
-/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`:
+/// The compile-time checks of the policies `Ps` of a `train_state<Mesh, Model, Data, ..., Fsdp, Pipe>`
+/// (`Fsdp`: the state's second batch axis, `fully_shard`'s or `data_parallel`'s second):
 /// one `static_assert`, on the first unmet requirement.
 template <class Mesh, class Model, fixed_string Data, fixed_string Fsdp, fixed_string Pipe, class... Ps>
 constexpr void check_policies() {
   constexpr bool once = policy_count_v<parallelism::data, Ps...> <= 1 &&
                         policy_count_v<parallelism::fully_sharded, Ps...> <= 1 &&
                         policy_count_v<parallelism::pipelined, Ps...> <= 1;
+  constexpr bool two_batch_axes =
+      (std::size_t{0} + ... + std::size_t{has_second_axis<Ps>()}) == 0 ||
+      policy_count_v<parallelism::fully_sharded, Ps...> == 0;
   constexpr bool own_axes = !policies_share_an_axis<Ps...>();
-  constexpr bool in_mesh = (Mesh::template has_axis<Ps::axis> && ...);
+  constexpr bool in_mesh = ((Mesh::template has_axis<Ps::axis> && second_axis_in_mesh<Mesh, Ps>()) && ...);
   constexpr bool state_axes = ((Ps::axis.view() == (Ps::kind == parallelism::data            ? text_of(Data)
                                                     : Ps::kind == parallelism::fully_sharded ? text_of(Fsdp)
-                                                                                             : text_of(Pipe))) &&
+                                                                                             : text_of(Pipe)) &&
+                                (!has_second_axis<Ps>() || second_axis_text<Ps>() == text_of(Fsdp))) &&
                                ...);
   constexpr bool layered = sequential_model<Model> || (policy_count_v<parallelism::fully_sharded, Ps...> +
                                                         policy_count_v<parallelism::pipelined, Ps...>) == 0;
   if constexpr (!once) {
     static_assert(once, "meshlib::nn: train_state: a parallel policy is given twice (two data_parallel, two "
                         "fully_shard or two pipeline); give each parallelism once, over its own mesh axis");
+  } else if constexpr (!two_batch_axes) {
+    static_assert(two_batch_axes, "meshlib::nn: train_state: data_parallel over two axes beside fully_shard: a "
+                                  "train_state splits the batch over at most two axes, and fully_shard's axis is "
+                                  "one of them (it splits the batch as it shards the parameters); give data_parallel "
+                                  "one axis: data_parallel<\"data\">{} with fully_shard<\"fsdp\">{} is HSDP");
   } else if constexpr (!own_axes) {
-    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies name the same mesh axis; "
+    static_assert(own_axes, "meshlib::nn: train_state: two parallel policies (or data_parallel's two axes) name the "
+                            "same mesh axis; "
                             "data_parallel, fully_shard and pipeline each need an axis of their own: name another "
                             "axis of the mesh (or add one: mesh<axis<\"data\">, axis<\"fsdp\">>)");
   } else if constexpr (!in_mesh) {
@@ -11740,14 +11791,25 @@ class optimizer_state {
 
 namespace meshlib::nn {
 
-/// @brief Data parallelism over the mesh axis `Axis` (see the file comment); a `parallel_policy`.
+/// @brief Data parallelism over the mesh axis `Axis`, and `Second` if given (see the file
+/// comment); a `parallel_policy`.
+/// @code
+/// meshlib::nn::data_parallel<"data">{}            // the batch over 'data'
+/// meshlib::nn::data_parallel<"data", "fsdp">{}    // over data x fsdp, the parameters replicated on both
+/// @endcode
 /// @tparam Axis the mesh axis the batch is split over and the gradients averaged over.
-template <fixed_string Axis = "data">
+/// @tparam Second a second such axis ("": none), the batch split over `Axis` x `Second` as JAX's
+/// `P(("data", "fsdp"))`: what a model whose parameters must not be sharded (a tied embedding)
+/// runs on a mesh whose other configurations shard them over that axis with `fully_shard`. A
+/// `train_state` splits the batch over at most two axes: `Second` and `fully_shard` do not go together.
+template <fixed_string Axis = "data", fixed_string Second = "">
 struct data_parallel {
   /// The parallelism this policy applies.
   static constexpr parallelism kind = parallelism::data;
   /// The mesh axis it applies over.
   static constexpr auto axis = Axis;
+  /// The second mesh axis it applies over ("": none).
+  static constexpr auto second_axis = Second;
   /// The ZeRO stage: 0 (optimizer state replicated) or 1 (the optimizer state and update sharded
   /// over the axis, the updated parameters all-gathered). Stage 3 is `fully_shard`.
   int zero = 0;
@@ -14452,8 +14514,9 @@ struct train_options {
 /// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"dp">{.zero = 1},
 ///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
 /// @endcode
-/// @tparam Data the data-parallel axis; @tparam Fsdp the fully-sharded axis; @tparam Pipe the
-/// pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
+/// @tparam Data the data-parallel axis; @tparam Fsdp the second batch axis: the fully-sharded
+/// axis, or `data_parallel`'s second (`data_parallel<Data, Fsdp>`); a policy must name it when
+/// it has more than one device; @tparam Pipe the pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
 /// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
 /// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
 /// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
@@ -14466,6 +14529,7 @@ class train_state {
   /// The policies a state runs: each parallelism at most once, over the state's axes.
   struct policy_set {
     data_parallel<Data> data;                  ///< `data_parallel<Data>{}` when none was given
+    bool data_over_fsdp = false;               ///< a `data_parallel<Data, Fsdp>` was given
     std::optional<fully_shard<Fsdp>> fsdp;     ///< empty without FSDP
     std::optional<nn::pipeline<Pipe>> pipe;    ///< empty without a pipeline
   };
@@ -14481,14 +14545,15 @@ class train_state {
   using mesh_type = Mesh;
   /// The network's type.
   using model_type = Model;
-  /// The mesh's fsdp axis `Fsdp` (0 when it has none): FSDP shards parameters over it, and it
-  /// splits the batch as a data axis does.
+  /// The mesh's second batch axis `Fsdp` (0 when it has none): FSDP shards parameters over it
+  /// (`fully_shard<Fsdp>`), or `data_parallel<Data, Fsdp>` names it; either way it splits the batch
+  /// as a data axis does.
   static constexpr axis_mask fsdp_axes = [] {
     if constexpr (Mesh::template has_axis<Fsdp>) return Mesh::template mask_of<Fsdp>();
     else return axis_mask{0};
   }();
-  /// The mesh axes the batch is split over and gradients are averaged over: `Data` and the fsdp
-  /// axis (a mesh with an fsdp axis need not have `Data`).
+  /// The mesh axes the batch is split over and gradients are averaged over: `Data` and `Fsdp` (a
+  /// mesh with an fsdp axis need not have `Data`).
   static constexpr axis_mask data_axes = [] {
     if constexpr (fsdp_axes != 0 && !Mesh::template has_axis<Data>) return fsdp_axes;
     else return Mesh::template mask_of<Data>() | fsdp_axes;
@@ -14541,7 +14606,8 @@ class train_state {
   /// `local_devices`: this process's devices (empty: all).
   /// @throws sharding_error when `opts.accumulation` is 0, for an optimizer that reads whole
   /// parameters (`adafactor`) with a tensor-parallel parameter, and for a mesh whose pipeline axis
-  /// `Pipe` has more than one device (an axis is pipelined by a `pipeline` policy, not by its name).
+  /// `Pipe` or second batch axis `Fsdp` has more than one device (an axis is pipelined, fully
+  /// sharded or split by the batch by a policy, not by its name).
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
       : train_state(m, std::move(net), o, opts, k, local_devices, policy_set{}) {}
@@ -14763,6 +14829,7 @@ class train_state {
         model.round_activations = &detail::round_to<Compute>;
     if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
     refuse_unpipelined_axis();
+    refuse_unclaimed_fsdp_axis();
     refuse_ignored_overlap();
     std::vector<std::size_t> all;
     if (local_devices.empty())
@@ -14816,6 +14883,24 @@ class train_state {
                              " devices but no pipeline policy was given; an axis is pipelined only by a policy, "
                              "not by its name: pass meshlib::nn::pipeline<\"" + name +
                              "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
+      }
+    }
+  }
+  // Nor does an axis split the batch or shard the parameters by its name: the state's second
+  // batch axis `Fsdp` ("fsdp" by default) with more than one device is refused unless a policy
+  // names it (`fully_shard<Fsdp>`, `data_parallel<Data, Fsdp>`, or `data_parallel<Fsdp>` itself),
+  // rather than split the batch over an axis the user never gave a role.
+  void refuse_unclaimed_fsdp_axis() const {
+    if constexpr (fsdp_axes != 0 && detail::text_of(Fsdp) != detail::text_of(Data)) {
+      const std::size_t n = mesh.axes_size(fsdp_axes);
+      if (!policies_.fsdp && !policies_.data_over_fsdp && n > 1) {
+        const std::string name(detail::text_of(Fsdp)), data(detail::text_of(Data));
+        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
+                             " devices but no policy names it; an axis splits the batch or shards the parameters "
+                             "only by a policy, not by its name: pass meshlib::nn::fully_shard<\"" + name +
+                             "\">{} (parameters, gradients and optimizer state sharded over it, the batch split over "
+                             "it) or meshlib::nn::data_parallel<\"" + data + "\", \"" + name +
+                             "\">{} (the batch only) to the train_state, or make the axis size 1");
       }
     }
   }
@@ -14893,8 +14978,12 @@ class train_state {
   // `data_parallel<A>`.)
   template <class P>
   static void keep_policy(policy_set& set, const P& p) {
-    if constexpr (std::is_same_v<P, data_parallel<Data>>) set.data = p;
-    else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
+    if constexpr (std::is_same_v<P, data_parallel<Data>>) {
+      set.data = p;
+    } else if constexpr (std::is_same_v<P, data_parallel<Data, Fsdp>>) {
+      set.data = data_parallel<Data>{.zero = p.zero, .overlap = p.overlap, .bucket_elements = p.bucket_elements};
+      set.data_over_fsdp = true;
+    } else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
     else if constexpr (std::is_same_v<P, nn::pipeline<Pipe>>) set.pipe = p;
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
@@ -14940,23 +15029,27 @@ class train_state {
 };
 
 /// Made with parallel policies, a train state's axes are the policies' (the defaults for the
-/// parallelisms not given), its parameters and compute float.
+/// parallelisms not given; the second batch axis `fully_shard`'s, else `data_parallel`'s second),
+/// its parameters and compute float.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
-                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::fully_sharded, detail::second_data_axis<"fsdp", P, Ps...>::value,
+                                       P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 /// As above, with `train_options`, a key and this process's devices before the policies.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, train_options, rng_key, std::span<const std::size_t>, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
-                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::fully_sharded, detail::second_data_axis<"fsdp", P, Ps...>::value,
+                                       P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 /// As above, with `train_options` before the policies.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
-                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::fully_sharded, detail::second_data_axis<"fsdp", P, Ps...>::value,
+                                       P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 
 }  // namespace meshlib::nn

@@ -392,10 +392,12 @@ int train_model(const options& o, const meshlib::nn::text_corpus& corpus, const 
   // The pipeline policy over 'pipeline' (with one device there, no stages: the step is the plain one).
   const nn::pipeline<"pipeline"> pipe{.schedule = o.gpipe ? nn::pipeline_kind::gpipe : nn::pipeline_kind::one_f_one_b,
                                       .microbatches = o.microbatches};
+  // Either way the state's type is the same (its batch axes 'data' and 'fsdp'); the policies say
+  // what 'fsdp' does: FSDP's shards (HSDP with 'data'), or the batch only.
   using state_t = nn::train_state<mesh_t, decltype(gpt<Remat, Untie>(mesh, o, key))>;
-  const nn::data_parallel<"data"> dp{};
-  state_t state = fsdp ? state_t(mesh, gpt<Remat, Untie>(mesh, o, key), opt, dp, nn::fully_shard<"fsdp">{}, pipe)
-                       : state_t(mesh, gpt<Remat, Untie>(mesh, o, key), opt, dp, pipe);
+  state_t state = fsdp ? state_t(mesh, gpt<Remat, Untie>(mesh, o, key), opt, nn::data_parallel<"data">{},
+                                 nn::fully_shard<"fsdp">{}, pipe)
+                       : state_t(mesh, gpt<Remat, Untie>(mesh, o, key), opt, nn::data_parallel<"data", "fsdp">{}, pipe);
 
   std::size_t count = 0;
   for (const auto& p : state.params) {

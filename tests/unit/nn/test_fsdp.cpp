@@ -97,7 +97,7 @@ TEST_CASE("FSDP gives the per-step losses of replicated training", "[nn][trainin
     require_close(run(mesh2_t{2, 2}, {}, opt, nn::fully_shard<"fsdp">{}), ref, 1e-5);
     require_close(run(mesh2_t{4, 1}, {}, opt, nn::fully_shard<"fsdp">{.reshard_after_forward = false}), ref, 1e-5);
     // No fully_shard on a mesh with an fsdp axis: plain data parallelism over ('data', 'fsdp').
-    require_close(run(mesh3_t{2, 2, 1}, {}, opt), ref, 1e-5);
+    require_close(run(mesh3_t{2, 2, 1}, {}, opt, nn::data_parallel<"data", "fsdp">{}), ref, 1e-5);
   }
 }
 
@@ -168,7 +168,7 @@ TEST_CASE("FSDP holds 1/fsdp of the replicated bytes plus the largest layer", "[
   for (const std::size_t f : {2u, 4u}) {
     INFO("fsdp " << f);
     const mesh3_t m{1, f, 1};
-    nn::train_state replicated(m, make_net(m), nn::adam(nn::constant(1e-3f)), {});
+    nn::train_state replicated(m, make_net(m), nn::adam(nn::constant(1e-3f)), nn::data_parallel<"data", "fsdp">{});
     nn::train_state sharded(m, make_net(m), nn::adam(nn::constant(1e-3f)), nn::fully_shard<"fsdp">{});
     nn::train_state kept(m, make_net(m), nn::adam(nn::constant(1e-3f)), nn::fully_shard<"fsdp">{.reshard_after_forward = false});
     for (std::size_t dev = 0; dev < m.size(); ++dev) {
@@ -198,7 +198,7 @@ TEST_CASE("FSDP refuses an fsdp axis that does not divide a parameter", "[nn][tr
       [&] { nn::train_state s(m, make_net(m, 3), nn::adam(nn::constant(1e-3f)), nn::fully_shard<"fsdp">{}); });
   CHECK(msg ==
         "meshlib::nn: train_state: FSDP cannot shard parameter 'fc3.b' (shape 3, " +
-            nn::params(nn::train_state(m, make_net(m, 3), nn::adam(nn::constant(1e-3f)), {}))[5].sharding +
+            nn::params(nn::train_state(m, make_net(m, 3), nn::adam(nn::constant(1e-3f)), nn::data_parallel<"data", "fsdp">{}))[5].sharding +
             ") over the 4 devices of the fsdp axis 'fsdp': its dimension 0 (3 per device) is not divisible by 4; use "
             "an fsdp axis whose size divides 3, or make that dimension a multiple of 4 (e.g. 4)");
   const mesh3_t two{1, 2, 1};

@@ -164,8 +164,9 @@ TEST_CASE("overlap_grad_sync: FSDP and a data axis, and ZeRO (not overlapped), a
     require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), overlap, prefetch)));
     require_identical(ref, train_mlp(nn::train_state(mesh, make_mlp(mesh), clipped_adam(), no_overlap, prefetch)));
   }
-  // ZeRO-1 with overlap is refused (nothing to overlap: test_policies.cpp); ZeRO-1 trains as before.
-  const nn::data_parallel<"data"> zero{.zero = 1};
+  // ZeRO-1 with overlap is refused (nothing to overlap: test_policies.cpp); ZeRO-1 (over both batch
+  // axes) trains as before.
+  const nn::data_parallel<"data", "fsdp"> zero{.zero = 1};
   require_identical(train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zero)),
                     train_mlp(nn::train_state(m, make_mlp(m), clipped_adam(), zero)));
 }

@@ -101,18 +101,20 @@ auto untied_gpt4(const mesh4_t& m) {
 auto small_gpt4_remat(const mesh4_t& m) { return small_gpt<"tensor", true>(m); }
 
 /// Per-step losses of the GPT on a 4-axis mesh, then the validation loss (`remat`: every block in
-/// `nn::remat`).
+/// `nn::remat`); the batch over data x fsdp (`data_parallel<"data", "fsdp">`: the tied embedding
+/// keeps the parameters replicated).
 std::vector<double> gpt4_losses(const shape4_t& shape, nn::train_options o = {}, nn::pipeline<"pipeline"> pipe = {},
                                 std::size_t steps = 8, bool remat = false) {
   const mesh4_t m{shape[0], shape[1], shape[2], shape[3]};
+  const nn::data_parallel<"data", "fsdp"> dp{};
   if (remat) {
-    nn::train_state state(m, small_gpt4_remat(m), nn::adam(nn::constant(1e-2f)), o, pipe);
+    nn::train_state state(m, small_gpt4_remat(m), nn::adam(nn::constant(1e-2f)), o, dp, pipe);
     std::vector<double> out;
     for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
     out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
     return out;
   }
-  nn::train_state state(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), o, pipe);
+  nn::train_state state(m, small_gpt4(m), nn::adam(nn::constant(1e-2f)), o, dp, pipe);
   std::vector<double> out;
   for (std::size_t s = 0; s < steps; ++s) out.push_back(nn::train_step(state, gpt_windows(s)).loss);
   out.push_back(nn::evaluate(state, gpt_validation(), 4).loss);
@@ -240,13 +242,14 @@ TEST_CASE("pipeline: a checkpoint of the GPT moves between 4-axis meshes", "[nn]
   for (auto from : {shape4_t{1, 2, 2, 2}, shape4_t{2, 1, 2, 2}}) {
     fs::remove_all(dir);
     const mesh4_t a{from[0], from[1], from[2], from[3]};
-    nn::train_state first(a, small_gpt4(a), nn::adam(nn::constant(1e-2f)), nn::pipeline<"pipeline">{.microbatches = 2});
+    nn::train_state first(a, small_gpt4(a), nn::adam(nn::constant(1e-2f)), nn::data_parallel<"data", "fsdp">{},
+                          nn::pipeline<"pipeline">{.microbatches = 2});
     for (std::size_t s = 0; s < 3; ++s) REQUIRE(std::abs(nn::train_step(first, gpt_windows(s)).loss - ref[s]) <= 1e-5 * ref[s]);
     nn::save_checkpoint(dir, first);
     for (auto to : {shape4_t{2, 1, 2, 2}, shape4_t{1, 2, 2, 2}, shape4_t{1, 1, 2, 4}, shape4_t{1, 1, 1, 1}}) {
       const mesh4_t b{to[0], to[1], to[2], to[3]};
       INFO("saved on " << a << ", restored on " << b);
-      nn::train_state second(b, small_gpt4(b), nn::adam(nn::constant(1e-2f)),
+      nn::train_state second(b, small_gpt4(b), nn::adam(nn::constant(1e-2f)), nn::data_parallel<"data", "fsdp">{},
                              nn::pipeline<"pipeline">{.schedule = nn::pipeline_kind::gpipe, .microbatches = 2});
       nn::restore_checkpoint(dir, second);
       for (std::size_t s = 3; s < 6; ++s) {

@@ -3,7 +3,8 @@
 // axis names give bitwise the losses of the same policies on the default names, alone and composed;
 // the state's type is deduced from them and keeps them; what a value cannot say at compile time is
 // refused (ZeRO-1 with FSDP or overlap; overlap with no layer hooks to start its buckets: a pipeline,
-// a model that is not a sequential); an axis is pipelined by the policy only, never by its name.
+// a model that is not a sequential); an axis is pipelined, fully sharded or split by the batch by a
+// policy only, never by its name (data_parallel over two axes for the batch alone).
 #include <meshlib.hpp>
 #include <meshlib/nn.hpp>
 
@@ -240,6 +241,53 @@ TEST_CASE("an axis is pipelined by a pipeline policy, not by its name", "[nn][po
   CHECK(single.pipeline() == nullptr);
   nn::train_state plain(one, make_net(one), opt());
   CHECK(losses(single) == losses(plain));
+}
+
+TEST_CASE("an fsdp axis splits the batch by a policy, not by its name", "[nn][policies][fsdp][errors]") {
+  using mesh_t = meshlib::mesh<axis<"data">, axis<"fsdp">, axis<"model">>;
+  const mesh_t m{2, 2, 2};
+  // No policy names 'fsdp': refused with both fixes, rather than the batch split over it silently.
+  const std::string refusal =
+      "meshlib::nn: train_state: the mesh's 'fsdp' axis has 2 devices but no policy names it; an axis splits the "
+      "batch or shards the parameters only by a policy, not by its name: pass meshlib::nn::fully_shard<\"fsdp\">{} "
+      "(parameters, gradients and optimizer state sharded over it, the batch split over it) or "
+      "meshlib::nn::data_parallel<\"data\", \"fsdp\">{} (the batch only) to the train_state, or make the axis size 1";
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { nn::train_state s(m, make_net(m), opt()); }) ==
+        refusal);
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(m, make_net(m), opt(), nn::data_parallel<"data">{.zero = 1});
+        }) == refusal);
+  // data_parallel over both axes: the batch over data x fsdp (rows of device (d, f) those of device
+  // 2d + f of a 4-device data axis), the parameters replicated: the losses of data_parallel over 4.
+  using ref_mesh = meshlib::mesh<axis<"data">, axis<"model">>;
+  const ref_mesh rm{4, 2};
+  for (const int zero : {0, 1}) {
+    INFO("zero " << zero);
+    nn::train_state both(m, make_net(m), opt(), nn::data_parallel<"data", "fsdp">{.zero = zero});
+    STATIC_REQUIRE(decltype(both)::data_axes == mesh_t::mask_of<"data", "fsdp">());
+    CHECK(both.data_parallel_policy().zero == zero);
+    CHECK_FALSE(both.fully_shard_policy().has_value());
+    nn::train_state ref(rm, make_net(rm), opt(), nn::data_parallel<"data">{.zero = zero});
+    CHECK(both.memory(0).parameters == ref.memory(0).parameters);
+    CHECK(both.optimizer_state_size(0) == ref.optimizer_state_size(0));
+    CHECK(losses(both) == losses(ref));
+  }
+  // The same state type either way (what a program choosing FSDP at run time needs): the policies,
+  // not the type, say what 'fsdp' does.
+  nn::train_state hsdp(m, make_net(m), opt(), nn::data_parallel<"data">{}, nn::fully_shard<"fsdp">{});
+  nn::train_state batch_only(m, make_net(m), opt(), nn::data_parallel<"data", "fsdp">{});
+  STATIC_REQUIRE(std::is_same_v<decltype(hsdp), decltype(batch_only)>);
+  CHECK(hsdp.memory(0).parameters < batch_only.memory(0).parameters);
+  // An fsdp axis of one device needs no policy; nor one that data_parallel names alone.
+  const mesh_t one{4, 1, 2};
+  nn::train_state plain(one, make_net(one), opt());
+  nn::train_state ref_plain(rm, make_net(rm), opt());
+  CHECK(losses(plain) == losses(ref_plain));
+  using shard_mesh = meshlib::mesh<axis<"fsdp">, axis<"model">>;
+  const shard_mesh sm{4, 2};
+  nn::train_state as_data(sm, make_net(sm), opt(), nn::data_parallel<"fsdp">{});
+  nn::train_state ref_data(rm, make_net(rm), opt());
+  CHECK(losses(as_data) == losses(ref_data));
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -45,14 +45,25 @@
 
 namespace meshlib::nn {
 
-/// @brief Data parallelism over the mesh axis `Axis` (see the file comment); a `parallel_policy`.
+/// @brief Data parallelism over the mesh axis `Axis`, and `Second` if given (see the file
+/// comment); a `parallel_policy`.
+/// @code
+/// meshlib::nn::data_parallel<"data">{}            // the batch over 'data'
+/// meshlib::nn::data_parallel<"data", "fsdp">{}    // over data x fsdp, the parameters replicated on both
+/// @endcode
 /// @tparam Axis the mesh axis the batch is split over and the gradients averaged over.
-template <fixed_string Axis = "data">
+/// @tparam Second a second such axis ("": none), the batch split over `Axis` x `Second` as JAX's
+/// `P(("data", "fsdp"))`: what a model whose parameters must not be sharded (a tied embedding)
+/// runs on a mesh whose other configurations shard them over that axis with `fully_shard`. A
+/// `train_state` splits the batch over at most two axes: `Second` and `fully_shard` do not go together.
+template <fixed_string Axis = "data", fixed_string Second = "">
 struct data_parallel {
   /// The parallelism this policy applies.
   static constexpr parallelism kind = parallelism::data;
   /// The mesh axis it applies over.
   static constexpr auto axis = Axis;
+  /// The second mesh axis it applies over ("": none).
+  static constexpr auto second_axis = Second;
   /// The ZeRO stage: 0 (optimizer state replicated) or 1 (the optimizer state and update sharded
   /// over the axis, the updated parameters all-gathered). Stage 3 is `fully_shard`.
   int zero = 0;

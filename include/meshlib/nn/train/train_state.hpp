@@ -83,8 +83,9 @@ struct train_options {
 /// meshlib::nn::train_state state(mesh, std::move(net), opt, meshlib::nn::data_parallel<"dp">{.zero = 1},
 ///                                meshlib::nn::pipeline<"pipe">{.microbatches = 8});
 /// @endcode
-/// @tparam Data the data-parallel axis; @tparam Fsdp the fully-sharded axis; @tparam Pipe the
-/// pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
+/// @tparam Data the data-parallel axis; @tparam Fsdp the second batch axis: the fully-sharded
+/// axis, or `data_parallel`'s second (`data_parallel<Data, Fsdp>`); a policy must name it when
+/// it has more than one device; @tparam Pipe the pipeline axis (each used when the mesh has it); @tparam Wire the gradient reduction's element type;
 /// @tparam Compute the type parameters, activations and gradients are rounded to (float, bfloat16,
 /// float16): with a 16-bit type the optimizer keeps and updates float master weights and then
 /// rounds them into the parameters (see nn/precision.hpp and docs/training.md).
@@ -97,6 +98,7 @@ class train_state {
   /// The policies a state runs: each parallelism at most once, over the state's axes.
   struct policy_set {
     data_parallel<Data> data;                  ///< `data_parallel<Data>{}` when none was given
+    bool data_over_fsdp = false;               ///< a `data_parallel<Data, Fsdp>` was given
     std::optional<fully_shard<Fsdp>> fsdp;     ///< empty without FSDP
     std::optional<nn::pipeline<Pipe>> pipe;    ///< empty without a pipeline
   };
@@ -112,14 +114,15 @@ class train_state {
   using mesh_type = Mesh;
   /// The network's type.
   using model_type = Model;
-  /// The mesh's fsdp axis `Fsdp` (0 when it has none): FSDP shards parameters over it, and it
-  /// splits the batch as a data axis does.
+  /// The mesh's second batch axis `Fsdp` (0 when it has none): FSDP shards parameters over it
+  /// (`fully_shard<Fsdp>`), or `data_parallel<Data, Fsdp>` names it; either way it splits the batch
+  /// as a data axis does.
   static constexpr axis_mask fsdp_axes = [] {
     if constexpr (Mesh::template has_axis<Fsdp>) return Mesh::template mask_of<Fsdp>();
     else return axis_mask{0};
   }();
-  /// The mesh axes the batch is split over and gradients are averaged over: `Data` and the fsdp
-  /// axis (a mesh with an fsdp axis need not have `Data`).
+  /// The mesh axes the batch is split over and gradients are averaged over: `Data` and `Fsdp` (a
+  /// mesh with an fsdp axis need not have `Data`).
   static constexpr axis_mask data_axes = [] {
     if constexpr (fsdp_axes != 0 && !Mesh::template has_axis<Data>) return fsdp_axes;
     else return Mesh::template mask_of<Data>() | fsdp_axes;
@@ -172,7 +175,8 @@ class train_state {
   /// `local_devices`: this process's devices (empty: all).
   /// @throws sharding_error when `opts.accumulation` is 0, for an optimizer that reads whole
   /// parameters (`adafactor`) with a tensor-parallel parameter, and for a mesh whose pipeline axis
-  /// `Pipe` has more than one device (an axis is pipelined by a `pipeline` policy, not by its name).
+  /// `Pipe` or second batch axis `Fsdp` has more than one device (an axis is pipelined, fully
+  /// sharded or split by the batch by a policy, not by its name).
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
       : train_state(m, std::move(net), o, opts, k, local_devices, policy_set{}) {}
@@ -394,6 +398,7 @@ class train_state {
         model.round_activations = &detail::round_to<Compute>;
     if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
     refuse_unpipelined_axis();
+    refuse_unclaimed_fsdp_axis();
     refuse_ignored_overlap();
     std::vector<std::size_t> all;
     if (local_devices.empty())
@@ -447,6 +452,24 @@ class train_state {
                              " devices but no pipeline policy was given; an axis is pipelined only by a policy, "
                              "not by its name: pass meshlib::nn::pipeline<\"" + name +
                              "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
+      }
+    }
+  }
+  // Nor does an axis split the batch or shard the parameters by its name: the state's second
+  // batch axis `Fsdp` ("fsdp" by default) with more than one device is refused unless a policy
+  // names it (`fully_shard<Fsdp>`, `data_parallel<Data, Fsdp>`, or `data_parallel<Fsdp>` itself),
+  // rather than split the batch over an axis the user never gave a role.
+  void refuse_unclaimed_fsdp_axis() const {
+    if constexpr (fsdp_axes != 0 && detail::text_of(Fsdp) != detail::text_of(Data)) {
+      const std::size_t n = mesh.axes_size(fsdp_axes);
+      if (!policies_.fsdp && !policies_.data_over_fsdp && n > 1) {
+        const std::string name(detail::text_of(Fsdp)), data(detail::text_of(Data));
+        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
+                             " devices but no policy names it; an axis splits the batch or shards the parameters "
+                             "only by a policy, not by its name: pass meshlib::nn::fully_shard<\"" + name +
+                             "\">{} (parameters, gradients and optimizer state sharded over it, the batch split over "
+                             "it) or meshlib::nn::data_parallel<\"" + data + "\", \"" + name +
+                             "\">{} (the batch only) to the train_state, or make the axis size 1");
       }
     }
   }
@@ -524,8 +547,12 @@ class train_state {
   // `data_parallel<A>`.)
   template <class P>
   static void keep_policy(policy_set& set, const P& p) {
-    if constexpr (std::is_same_v<P, data_parallel<Data>>) set.data = p;
-    else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
+    if constexpr (std::is_same_v<P, data_parallel<Data>>) {
+      set.data = p;
+    } else if constexpr (std::is_same_v<P, data_parallel<Data, Fsdp>>) {
+      set.data = data_parallel<Data>{.zero = p.zero, .overlap = p.overlap, .bucket_elements = p.bucket_elements};
+      set.data_over_fsdp = true;
+    } else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
     else if constexpr (std::is_same_v<P, nn::pipeline<Pipe>>) set.pipe = p;
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
@@ -571,23 +598,27 @@ class train_state {
 };
 
 /// Made with parallel policies, a train state's axes are the policies' (the defaults for the
-/// parallelisms not given), its parameters and compute float.
+/// parallelisms not given; the second batch axis `fully_shard`'s, else `data_parallel`'s second),
+/// its parameters and compute float.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
-                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::fully_sharded, detail::second_data_axis<"fsdp", P, Ps...>::value,
+                                       P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 /// As above, with `train_options`, a key and this process's devices before the policies.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, train_options, rng_key, std::span<const std::size_t>, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
-                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::fully_sharded, detail::second_data_axis<"fsdp", P, Ps...>::value,
+                                       P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 /// As above, with `train_options` before the policies.
 template <mesh_type Mesh, class Model, parallel_policy P, parallel_policy... Ps>
 train_state(const Mesh&, Model, optimizer, train_options, const P&, const Ps&...)
     -> train_state<Mesh, Model, detail::policy_axis<parallelism::data, "data", P, Ps...>::value, float, float,
-                   detail::policy_axis<parallelism::fully_sharded, "fsdp", P, Ps...>::value,
+                   detail::policy_axis<parallelism::fully_sharded, detail::second_data_axis<"fsdp", P, Ps...>::value,
+                                       P, Ps...>::value,
                    detail::policy_axis<parallelism::pipelined, "pipeline", P, Ps...>::value>;
 
 }  // namespace meshlib::nn
