@@ -12,6 +12,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -93,7 +94,7 @@ void check_against_differences(const std::function<double(const std::vector<std:
   }
 }
 
-std::vector<double> host(const auto& t) { return meshlib::to_host(t); }
+auto host(const auto& t) { return meshlib::to_host(t); }
 
 }  // namespace
 
@@ -1272,6 +1273,157 @@ TEST_CASE("value_and_grad through pmax on a 2x2 mesh, with a softmax over classe
   std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
   run({gx0}, &grads);
   check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
+}
+
+}  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+namespace {
+
+/// Writes `global` into parameter `p`'s blocks, device `dev` holding `where(dev)` (a rank-1
+/// parameter as one row).
+template <class Param, class Where>
+void set_param(Param& p, std::size_t devices, const std::vector<double>& global, Where where) {
+  for (std::size_t dev = 0; dev < devices; ++dev) {
+    auto l = p.local(dev);
+    const block_at b = where(dev);
+    REQUIRE(l.size() == b.rows * b.cols);
+    for (std::size_t k = 0; k < l.size(); ++k) l.data()[k] = global[b.global_index(k)];
+  }
+}
+
+/// `got[dev]` and `want[dev]` agree element by element to 1e-5 relative, and `want` is not all ~0
+/// (a real gradient, not zeros on both sides).
+void check_close(const std::vector<std::vector<double>>& got, const std::vector<std::vector<double>>& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t dev = 0; dev < got.size(); ++dev) {
+    REQUIRE(got[dev].size() == want[dev].size());
+    for (std::size_t e = 0; e < got[dev].size(); ++e) {
+      INFO("device " << dev << ", local element " << e << ": " << got[dev][e] << " vs " << want[dev][e]);
+      CHECK(std::abs(got[dev][e] - want[dev][e]) <= 1e-5 * (1 + std::abs(want[dev][e])));
+    }
+    CHECK(std::any_of(want[dev].begin(), want[dev].end(), [](double v) { return std::abs(v) > 1e-4; }));
+  }
+}
+
+/// A layer's parameter gradient is each device's share of its data: `shares[dev]` summed over the
+/// devices of the same `group(dev)` (those holding the same block) is the whole gradient.
+template <class Group>
+std::vector<std::vector<double>> summed_shares(const std::vector<std::vector<double>>& shares, Group group) {
+  std::vector<std::vector<double>> out(shares.size(), std::vector<double>(shares[0].size(), 0.0));
+  for (std::size_t dev = 0; dev < shares.size(); ++dev)
+    for (std::size_t other = 0; other < shares.size(); ++other)
+      if (group(other) == group(dev))
+        for (std::size_t e = 0; e < shares[dev].size(); ++e) out[dev][e] += shares[other][e];
+  return out;
+}
+
+using ids2_t = meshlib::local_tensor<std::int32_t, 1, mesh2, D, 0, meshlib::dim_masks<D>>;     // P<"data">
+using xd2_t = meshlib::local_tensor<double, 2, mesh2, D, 0, meshlib::dim_masks<D, 0>>;          // P<"data", none>
+using hot2_t = meshlib::local_tensor<double, 2, mesh2, D | M, 0, meshlib::dim_masks<D, M>>;     // P<"data", "model">
+constexpr auto model_of = [](std::size_t dev) { return dev % 2; };  // 2x2, row-major: data, then model
+
+}  // namespace
+
+TEST_CASE("embedding and tied_head as primitives: gradients equal the written lookup (2x2)", "[nn][autodiff][layers]") {
+  // Vocabulary 8 sharded over model (4 rows a device), 8 tokens sharded over data (4 a device),
+  // width 3. Written: the lookup as one-hot(ids) E (the one-hot's columns this device's vocabulary
+  // range) completed by a psum over model; the tied head as x E^T. L = sum of tanh(.)^2 over the
+  // global output. Ids repeat within a device and across the data axis.
+  const mesh2 m{2, 2};
+  const std::size_t vocab = 8, f = 3, tokens = 8;
+  const std::vector<std::int32_t> gids{5, 1, 5, 7, 0, 3, 5, 6};
+  const auto gtable = random_array(vocab, f, 61), gx = random_array(tokens, f, 62);
+  const auto table_at = [](std::size_t dev) { return block_at{4 * (dev % 2), 0, 4, 3, 3}; };
+  const auto x_at = [](std::size_t dev) { return block_at{4 * (dev / 2), 0, 4, 3, 3}; };
+  const auto ids_of = [&](std::size_t dev) {
+    ids2_t ids(std::array<std::size_t, 1>{4}, m, dev);
+    for (std::size_t i = 0; i < 4; ++i) ids.data()[i] = gids[4 * (dev / 2) + i];
+    return ids;
+  };
+  const auto one_hot = [&](std::size_t dev) {  // (this device's tokens, this device's vocabulary range)
+    hot2_t h(std::array<std::size_t, 2>{4, 4}, m, dev);
+    for (std::size_t i = 0; i < 4; ++i)
+      for (std::size_t v = 0; v < 4; ++v) h.data()[i * 4 + v] = gids[4 * (dev / 2) + i] == static_cast<std::int32_t>(4 * (dev % 2) + v) ? 1.0 : 0.0;
+    return h;
+  };
+  const auto loss_of = [](const auto& y) { return nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y))))); };
+  const auto logits_loss = [](const auto& z) {  // logits sharded over data (rows) and model (vocabulary)
+    return nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(z)))));
+  };
+  const auto lookup = [](const auto& hot, const auto& e) { return nn::psum<"model">(nn::matmul(hot, e)); };
+  const auto attend = [](const auto& x, const auto& e) { return nn::matmul(x, nn::transpose(e)); };
+  using embedding_t = nn::embedding<double, mesh2>;
+  const auto fresh_table = [&](embedding_t& tok) { set_param(tok.table, 4, gtable, table_at); };
+  std::vector<double> loss_layer(4), loss_written(4);
+  std::vector<std::vector<double>> de_layer(4), de_written(4), dx_layer(4), dx_written(4), dids(4);
+
+  SECTION("embedding: the table's gradient; the ids' is zero") {
+    embedding_t tok(m, "tok", vocab, f, nn::rng_key{11});
+    fresh_table(tok);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      auto a = nn::value_and_grad([&](const auto& ids) { return loss_of(nn::apply_layer(tok, ids)); })(ids_of(dev));
+      auto b = nn::value_and_grad([&](const auto& e) { return loss_of(lookup(one_hot(dev), e)); })(tok.table.local(dev));
+      loss_layer[dev] = host(a.value)[0];
+      loss_written[dev] = host(b.value)[0];
+      const auto ids_grad = host(a.grad);
+      dids[dev].assign(ids_grad.begin(), ids_grad.end());
+      de_layer[dev] = host(tok.table.grad.local_value(dev));
+      de_written[dev] = host(b.grad);
+    });
+    for (std::size_t dev = 0; dev < 4; ++dev) {
+      CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+      // integer ids have no cotangent: their gradient is zeros (JAX's allow_int), not the ids
+      CHECK(dids[dev] == std::vector<double>(4, 0.0));
+    }
+    check_close(summed_shares(de_layer, model_of), de_written);
+  }
+
+  SECTION("tied_head: the input's gradient and the table's") {
+    embedding_t tok(m, "tok", vocab, f, nn::rng_key{11});
+    fresh_table(tok);
+    nn::tied_head<double, mesh2> head(tok);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<xd2_t>(m, dev, gx, x_at(dev));
+      auto a = nn::value_and_grad([&](const auto& xs) { return logits_loss(nn::apply_layer(head, xs)); })(x);
+      auto b = nn::value_and_grad<0, 1>([&](const auto& xs, const auto& e) { return logits_loss(attend(xs, e)); })(
+          x, tok.table.local(dev));
+      loss_layer[dev] = host(a.value)[0];
+      loss_written[dev] = host(b.value)[0];
+      dx_layer[dev] = host(a.grad);
+      dx_written[dev] = host(std::get<0>(b.grad));
+      de_layer[dev] = host(tok.table.grad.local_value(dev));
+      de_written[dev] = host(std::get<1>(b.grad));
+    });
+    for (std::size_t dev = 0; dev < 4; ++dev) CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+    check_close(dx_layer, dx_written);
+    check_close(summed_shares(de_layer, model_of), de_written);
+  }
+
+  SECTION("embedding, then the head tied to it: the table's gradient sums both uses") {
+    embedding_t tok(m, "tok", vocab, f, nn::rng_key{11});
+    fresh_table(tok);
+    nn::tied_head<double, mesh2> head(tok);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<xd2_t>(m, dev, gx, x_at(dev));
+      auto a = nn::value_and_grad<0, 1>([&](const auto& ids, const auto& xs) {
+        return logits_loss(nn::apply_layer(head, nn::tanh(nn::apply_layer(tok, ids)) + xs));
+      })(ids_of(dev), x);
+      auto b = nn::value_and_grad<0, 1>([&](const auto& xs, const auto& e) {
+        return logits_loss(attend(nn::tanh(lookup(one_hot(dev), e)) + xs, e));
+      })(x, tok.table.local(dev));
+      loss_layer[dev] = host(a.value)[0];
+      loss_written[dev] = host(b.value)[0];
+      dx_layer[dev] = host(std::get<1>(a.grad));
+      dx_written[dev] = host(std::get<0>(b.grad));
+      de_layer[dev] = host(tok.table.grad.local_value(dev));
+      de_written[dev] = host(std::get<1>(b.grad));
+    });
+    for (std::size_t dev = 0; dev < 4; ++dev) CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+    check_close(dx_layer, dx_written);
+    check_close(summed_shares(de_layer, model_of), de_written);
+  }
 }
 
 }  // namespace MESHLIB_TEST_UNIT
