@@ -1427,3 +1427,213 @@ TEST_CASE("embedding and tied_head as primitives: gradients equal the written lo
 }
 
 }  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+namespace {
+
+/// Checks a layer's hand-written backward through `apply_layer` against `value_and_grad` of the
+/// same forward written with the traced ops: `L = loss_of(apply_layer(layer, x))` and
+/// `loss_of(written(x, p...))`, `x = x_of(dev)` and `p...` the blocks of the parameters in `ps` (a
+/// tuple of references to the layer's `parameter`s) on every device of `m`. The losses, the inputs'
+/// gradients, and each parameter's gradient (the layer's per-device shares summed over the devices
+/// of the same `group`) must agree to 1e-5.
+template <class Mesh, class Layer, class Params, class XOf, class Written, class LossOf, class Group>
+void check_layer(const Mesh& m, Layer& layer, Params ps, XOf x_of, Written written, LossOf loss_of, Group group) {
+  constexpr std::size_t np = std::tuple_size_v<Params>;
+  const std::size_t n = m.size();
+  std::vector<double> loss_layer(n), loss_written(n);
+  std::vector<std::vector<double>> dx_layer(n), dx_written(n);
+  std::vector<std::vector<std::vector<double>>> dp_layer(np, std::vector<std::vector<double>>(n)), dp_written = dp_layer;
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = x_of(dev);
+    auto a = nn::value_and_grad([&](const auto& xs) { return loss_of(nn::apply_layer(layer, xs)); })(x);
+    loss_layer[dev] = host(a.value)[0];
+    dx_layer[dev] = host(a.grad);
+    const auto f = [&](const auto& xs, const auto&... qs) { return loss_of(written(xs, qs...)); };
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      auto b = nn::value_and_grad<0, (I + 1)...>(f)(x, std::get<I>(ps).local(dev)...);
+      loss_written[dev] = host(b.value)[0];
+      if constexpr (np == 0) {
+        dx_written[dev] = host(b.grad);
+      } else {
+        dx_written[dev] = host(std::get<0>(b.grad));
+        ((dp_written[I][dev] = host(std::get<I + 1>(b.grad))), ...);
+        ((dp_layer[I][dev] = host(std::get<I>(ps).grad.local_value(dev))), ...);
+      }
+    }(std::make_index_sequence<np>{});
+  });
+  for (std::size_t dev = 0; dev < n; ++dev) CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+  {
+    INFO("the input's gradient");
+    check_close(dx_layer, dx_written);
+  }
+  for (std::size_t k = 0; k < np; ++k) {
+    INFO("the gradient of parameter " << k);
+    check_close(summed_shares(dp_layer[k], group), dp_written[k]);
+  }
+}
+
+using cmask2_t = meshlib::local_tensor<double, 2, mesh2, D | M, 0, meshlib::dim_masks<0, 0>>;  // varying, not sharded
+
+/// The causal mask of a sequence of `seq` (1 where `j <= i`) on device `dev`.
+cmask2_t causal_mask(const mesh2& m, std::size_t dev, std::size_t seq) {
+  cmask2_t c(std::array<std::size_t, 2>{seq, seq}, m, dev);
+  for (std::size_t i = 0; i < seq; ++i)
+    for (std::size_t j = 0; j < seq; ++j) c.data()[i * seq + j] = j <= i ? 1.0 : 0.0;
+  return c;
+}
+
+/// `causal_self_attention` written with the traced ops, for a device holding 2 heads of `hd` and
+/// 2 sequences of `seq`: the fused projection (columns `[head][q, k, v][head_dim]`, sharded over
+/// model), per head and sequence `softmax(mask(Q K^T / sqrt(hd))) V` (the exponentials masked),
+/// the heads concatenated, the output projection (rows sharded over model) completed by a psum.
+template <class X, class W1, class B1, class W2, class B2>
+auto attention_written(const X& x, const W1& wqkv, const B1& bqkv, const W2& wout, const B2& bout, const cmask2_t& mask,
+                       std::size_t seq, std::size_t hd) {
+  auto y = nn::matmul(x, wqkv);
+  auto z = nn::forget_dims<"data", "model">(y + nn::broadcast_in_dim<0>(nn::pvary<"data">(bqkv), y));
+  const double scale = 1 / std::sqrt(static_cast<double>(hd));
+  const auto head = [&](std::size_t h, std::size_t s) {
+    auto rows = nn::slice<0>(z, s * seq, (s + 1) * seq);
+    auto q = nn::slice<1>(rows, 3 * h * hd, 3 * h * hd + hd);
+    auto k = nn::slice<1>(rows, 3 * h * hd + hd, 3 * h * hd + 2 * hd);
+    auto v = nn::slice<1>(rows, 3 * h * hd + 2 * hd, 3 * h * hd + 3 * hd);
+    auto sc = nn::matmul(q, nn::transpose(k)) * scale;
+    auto e = nn::exp(sc - nn::broadcast_in_dim<1>(nn::stop_gradient(nn::max<1>(sc)), sc)) * mask;
+    return nn::matmul(e / nn::broadcast_in_dim<1>(nn::sum<1>(e), e), v);
+  };
+  auto o = nn::concatenate<1>(nn::concatenate<0>(head(0, 0), head(0, 1)), nn::concatenate<0>(head(1, 0), head(1, 1)));
+  auto out = nn::psum<"model">(nn::matmul(o, nn::forget_dims<"model">(wout)));
+  return out + nn::broadcast_in_dim<0>(nn::pvary<"data">(bout), out);
+}
+
+/// `layer_norm` written with the traced ops (over the features; eps 1e-5), parameters replicated.
+template <meshlib::fixed_string Data, class X, class G, class B>
+auto layer_norm_written(const X& xs, const G& g, const B& b) {
+  const auto row = [](const auto& v, const auto& like) { return nn::broadcast_in_dim<1>(v, like); };
+  const auto col = [](const auto& p, const auto& like) { return nn::broadcast_in_dim<0>(nn::pvary<Data>(p), like); };
+  auto xc = xs - row(nn::mean<1>(xs), xs);
+  auto r = nn::rsqrt(nn::mean<1>(nn::square(xc)) + 1e-5);
+  return xc * row(r, xs) * col(g, xs) + col(b, xs);
+}
+
+const auto tanh_square_loss2 = [](const auto& y) {  // rows over data
+  return nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y)))));
+};
+
+}  // namespace
+
+TEST_CASE("positional_embedding as a primitive: gradients equal x + onehot(pos) W", "[nn][autodiff][layers]") {
+  // 16 tokens in sequences of 2, 4 a device over 4 devices, width 3, a table of 3 positions (the
+  // last never used): written as x + P W, P the one-hot of each token's position.
+  const mesh1 m{4};
+  nn::positional_embedding<double, mesh1> pos(m, "pos", 3, 3, 2, nn::rng_key{13});
+  set_param(pos.table, 4, random_array(3, 3, 71), [](std::size_t) { return block_at{0, 0, 3, 3, 3}; });
+  const auto gx = random_array(16, 3, 72);
+  check_layer(
+      m, pos, std::tie(pos.table), [&](std::size_t dev) { return block_of<rows1>(m, dev, gx, {4 * dev, 0, 4, 3, 3}); },
+      [&](const auto& xs, const auto& w) {
+        rows1 p(std::array<std::size_t, 2>{4, 3}, m, xs.device());
+        for (std::size_t i = 0; i < 4; ++i)
+          for (std::size_t q = 0; q < 3; ++q) p.data()[i * 3 + q] = i % 2 == q ? 1.0 : 0.0;
+        return xs + nn::matmul(p, w);
+      },
+      [](const auto& y) { return nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y))))); },
+      [](std::size_t) { return 0; });
+}
+
+TEST_CASE("dropout as a primitive: its gradient is the mask times 1/(1-rate), eval the identity",
+          "[nn][autodiff][layers]") {
+  // A (4, 6) activation sharded over data and model (2x2); rate 0.5 with a fixed key. The mask is
+  // computed here from the documented rule (global element (r, c) kept iff uniform(key.fold_in(id),
+  // r * 6 + c) >= rate, whichever device holds it), so the test also checks that the mask does not
+  // depend on the sharding. Written: x * mask * 2; in evaluation: x.
+  const mesh2 m{2, 2};
+  const float rate = 0.5f;
+  const nn::rng_key key{21};
+  nn::dropout<double> drop(m, "drop", rate);
+  const auto gx = random_array(4, 6, 81);
+  const auto x_at = [](std::size_t dev) { return block_at{2 * (dev / 2), 3 * (dev % 2), 2, 3, 6}; };
+  const auto x_of = [&](std::size_t dev) { return block_of<x2_t>(m, dev, gx, x_at(dev)); };
+  std::vector<double> gmask(24);
+  const nn::rng_key k = key.fold_in(nn::detail::name_id("drop"));
+  for (std::size_t e = 0; e < 24; ++e) gmask[e] = nn::uniform(k, e) >= rate ? 1.0 / static_cast<double>(1.0f - rate) : 0.0;
+  const auto kept = std::count_if(gmask.begin(), gmask.end(), [](double v) { return v != 0.0; });
+  CHECK(kept > 0);
+  CHECK(kept < 24);
+  const auto loss_of = [](const auto& y) { return nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y))))); };
+  const auto group = [](std::size_t) { return 0; };
+  SECTION("training: the mask of the key") {
+    drop.begin_step(key, true);
+    check_layer(
+        m, drop, std::tuple<>{}, x_of,
+        [&](const auto& xs) { return xs * block_of<x2_t>(m, xs.device(), gmask, x_at(xs.device())); }, loss_of, group);
+  }
+  SECTION("evaluation: the identity") {
+    drop.begin_step(key, false);
+    check_layer(m, drop, std::tuple<>{}, x_of, [](const auto& xs) { return xs * 1.0; }, loss_of, group);
+  }
+}
+
+TEST_CASE("causal_self_attention as a primitive: gradients equal the written attention (2x2)",
+          "[nn][autodiff][layers]") {
+  // Width 8, 4 heads of 2 (2 a device over model), sequences of 3, 12 tokens (2 sequences a device
+  // over data); random biases. Every parameter's gradient and the input's.
+  const mesh2 m{2, 2};
+  const std::size_t seq = 3, hd = 2;
+  nn::causal_self_attention<double, mesh2> attn(m, "attn", 8, 4, seq, nn::rng_key{17});
+  set_param(attn.qkv.b, 4, random_array(1, 24, 91), [](std::size_t dev) { return block_at{0, 12 * (dev % 2), 1, 12, 24}; });
+  set_param(attn.proj.b, 4, random_array(1, 8, 92), [](std::size_t) { return block_at{0, 0, 1, 8, 8}; });
+  const auto gx = random_array(12, 8, 93);
+  check_layer(
+      m, attn, std::tie(attn.qkv.w, attn.qkv.b, attn.proj.w, attn.proj.b),
+      [&](std::size_t dev) { return block_of<xd2_t>(m, dev, gx, {6 * (dev / 2), 0, 6, 8, 8}); },
+      [&](const auto& xs, const auto& w1, const auto& b1, const auto& w2, const auto& b2) {
+        return attention_written(xs, w1, b1, w2, b2, causal_mask(m, xs.device(), seq), seq, hd);
+      },
+      tanh_square_loss2, model_of);
+}
+
+TEST_CASE("transformer_block as a primitive: gradients equal the written block (2x2)", "[nn][autodiff][layers]") {
+  // Width 8, 4 heads of 2, an MLP of 16 (8 a device over model), sequences of 3, 12 tokens (2
+  // sequences a device over data); random norms and biases. Written: x + attn(ln1(x)), then
+  // h + fc2(gelu(fc1(ln2(h)))), fc2 completed by a psum over model.
+  const mesh2 m{2, 2};
+  const std::size_t seq = 3, hd = 2;
+  nn::transformer_block<double, mesh2> blk(m, "h0", 8, 4, 16, seq, nn::rng_key{19});
+  const auto whole = [](std::size_t n) { return [n](std::size_t) { return block_at{0, 0, 1, n, n}; }; };
+  const auto split = [](std::size_t n) { return [n](std::size_t dev) { return block_at{0, n / 2 * (dev % 2), 1, n / 2, n}; }; };
+  auto around_one = random_array(1, 8, 101);
+  for (auto& v : around_one) v = 1 + 0.3 * v;
+  set_param(blk.ln1.g, 4, around_one, whole(8));
+  set_param(blk.ln1.b, 4, random_array(1, 8, 102), whole(8));
+  set_param(blk.ln2.g, 4, random_array(1, 8, 103), whole(8));
+  set_param(blk.ln2.b, 4, random_array(1, 8, 104), whole(8));
+  set_param(blk.attn.qkv.b, 4, random_array(1, 24, 105), split(24));
+  set_param(blk.attn.proj.b, 4, random_array(1, 8, 106), whole(8));
+  set_param(blk.fc1.b, 4, random_array(1, 16, 107), split(16));
+  set_param(blk.fc2.b, 4, random_array(1, 8, 108), whole(8));
+  const auto gx = random_array(12, 8, 109);
+  const double c = std::sqrt(2.0 / 3.141592653589793);
+  check_layer(
+      m, blk,
+      std::tie(blk.ln1.g, blk.ln1.b, blk.attn.qkv.w, blk.attn.qkv.b, blk.attn.proj.w, blk.attn.proj.b, blk.ln2.g,
+               blk.ln2.b, blk.fc1.w, blk.fc1.b, blk.fc2.w, blk.fc2.b),
+      [&](std::size_t dev) { return block_of<xd2_t>(m, dev, gx, {6 * (dev / 2), 0, 6, 8, 8}); },
+      [&](const auto& xs, const auto& g1, const auto& b1, const auto& wqkv, const auto& bqkv, const auto& wout,
+          const auto& bout, const auto& g2, const auto& b2, const auto& w1, const auto& c1, const auto& w2,
+          const auto& c2) {
+        auto x = nn::forget_dims<"data">(xs);
+        auto h = x + attention_written(layer_norm_written<"data">(x, g1, b1), wqkv, bqkv, wout, bout,
+                                       causal_mask(m, xs.device(), seq), seq, hd);
+        auto u = nn::matmul(layer_norm_written<"data">(h, g2, b2), w1);
+        auto a = u + nn::broadcast_in_dim<0>(nn::pvary<"data">(c1), u);
+        auto gl = a * 0.5 * (nn::tanh((a + nn::square(a) * a * 0.044715) * c) + 1.0);
+        auto z = nn::psum<"model">(nn::matmul(gl, w2));
+        return h + z + nn::broadcast_in_dim<0>(nn::pvary<"data">(c2), z);
+      },
+      tanh_square_loss2, model_of);
+}
+
+}  // namespace MESHLIB_TEST_UNIT
