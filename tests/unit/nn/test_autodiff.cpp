@@ -12,6 +12,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -93,7 +94,7 @@ void check_against_differences(const std::function<double(const std::vector<std:
   }
 }
 
-std::vector<double> host(const auto& t) { return meshlib::to_host(t); }
+auto host(const auto& t) { return meshlib::to_host(t); }
 
 }  // namespace
 
@@ -1272,6 +1273,367 @@ TEST_CASE("value_and_grad through pmax on a 2x2 mesh, with a softmax over classe
   std::vector<std::vector<std::vector<double>>> grads(1, std::vector<std::vector<double>>(4));
   run({gx0}, &grads);
   check_against_differences([&](const auto& gl) { return run(gl, nullptr); }, {gx0}, grads, {x_at});
+}
+
+}  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+namespace {
+
+/// Writes `global` into parameter `p`'s blocks, device `dev` holding `where(dev)` (a rank-1
+/// parameter as one row).
+template <class Param, class Where>
+void set_param(Param& p, std::size_t devices, const std::vector<double>& global, Where where) {
+  for (std::size_t dev = 0; dev < devices; ++dev) {
+    auto l = p.local(dev);
+    const block_at b = where(dev);
+    REQUIRE(l.size() == b.rows * b.cols);
+    for (std::size_t k = 0; k < l.size(); ++k) l.data()[k] = global[b.global_index(k)];
+  }
+}
+
+/// `got[dev]` and `want[dev]` agree element by element to 1e-5 relative, and `want` is not all ~0
+/// (a real gradient, not zeros on both sides).
+void check_close(const std::vector<std::vector<double>>& got, const std::vector<std::vector<double>>& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t dev = 0; dev < got.size(); ++dev) {
+    REQUIRE(got[dev].size() == want[dev].size());
+    for (std::size_t e = 0; e < got[dev].size(); ++e) {
+      INFO("device " << dev << ", local element " << e << ": " << got[dev][e] << " vs " << want[dev][e]);
+      CHECK(std::abs(got[dev][e] - want[dev][e]) <= 1e-5 * (1 + std::abs(want[dev][e])));
+    }
+    CHECK(std::any_of(want[dev].begin(), want[dev].end(), [](double v) { return std::abs(v) > 1e-4; }));
+  }
+}
+
+/// A layer's parameter gradient is each device's share of its data: `shares[dev]` summed over the
+/// devices of the same `group(dev)` (those holding the same block) is the whole gradient.
+template <class Group>
+std::vector<std::vector<double>> summed_shares(const std::vector<std::vector<double>>& shares, Group group) {
+  std::vector<std::vector<double>> out(shares.size(), std::vector<double>(shares[0].size(), 0.0));
+  for (std::size_t dev = 0; dev < shares.size(); ++dev)
+    for (std::size_t other = 0; other < shares.size(); ++other)
+      if (group(other) == group(dev))
+        for (std::size_t e = 0; e < shares[dev].size(); ++e) out[dev][e] += shares[other][e];
+  return out;
+}
+
+using ids2_t = meshlib::local_tensor<std::int32_t, 1, mesh2, D, 0, meshlib::dim_masks<D>>;     // P<"data">
+using xd2_t = meshlib::local_tensor<double, 2, mesh2, D, 0, meshlib::dim_masks<D, 0>>;          // P<"data", none>
+using hot2_t = meshlib::local_tensor<double, 2, mesh2, D | M, 0, meshlib::dim_masks<D, M>>;     // P<"data", "model">
+constexpr auto model_of = [](std::size_t dev) { return dev % 2; };  // 2x2, row-major: data, then model
+
+}  // namespace
+
+TEST_CASE("embedding and tied_head as primitives: gradients equal the written lookup (2x2)", "[nn][autodiff][layers]") {
+  // Vocabulary 8 sharded over model (4 rows a device), 8 tokens sharded over data (4 a device),
+  // width 3. Written: the lookup as one-hot(ids) E (the one-hot's columns this device's vocabulary
+  // range) completed by a psum over model; the tied head as x E^T. L = sum of tanh(.)^2 over the
+  // global output. Ids repeat within a device and across the data axis.
+  const mesh2 m{2, 2};
+  const std::size_t vocab = 8, f = 3, tokens = 8;
+  const std::vector<std::int32_t> gids{5, 1, 5, 7, 0, 3, 5, 6};
+  const auto gtable = random_array(vocab, f, 61), gx = random_array(tokens, f, 62);
+  const auto table_at = [](std::size_t dev) { return block_at{4 * (dev % 2), 0, 4, 3, 3}; };
+  const auto x_at = [](std::size_t dev) { return block_at{4 * (dev / 2), 0, 4, 3, 3}; };
+  const auto ids_of = [&](std::size_t dev) {
+    ids2_t ids(std::array<std::size_t, 1>{4}, m, dev);
+    for (std::size_t i = 0; i < 4; ++i) ids.data()[i] = gids[4 * (dev / 2) + i];
+    return ids;
+  };
+  const auto one_hot = [&](std::size_t dev) {  // (this device's tokens, this device's vocabulary range)
+    hot2_t h(std::array<std::size_t, 2>{4, 4}, m, dev);
+    for (std::size_t i = 0; i < 4; ++i)
+      for (std::size_t v = 0; v < 4; ++v) h.data()[i * 4 + v] = gids[4 * (dev / 2) + i] == static_cast<std::int32_t>(4 * (dev % 2) + v) ? 1.0 : 0.0;
+    return h;
+  };
+  const auto loss_of = [](const auto& y) { return nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y))))); };
+  const auto logits_loss = [](const auto& z) {  // logits sharded over data (rows) and model (vocabulary)
+    return nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(z)))));
+  };
+  const auto lookup = [](const auto& hot, const auto& e) { return nn::psum<"model">(nn::matmul(hot, e)); };
+  const auto attend = [](const auto& x, const auto& e) { return nn::matmul(x, nn::transpose(e)); };
+  using embedding_t = nn::embedding<double, mesh2>;
+  const auto fresh_table = [&](embedding_t& tok) { set_param(tok.table, 4, gtable, table_at); };
+  std::vector<double> loss_layer(4), loss_written(4);
+  std::vector<std::vector<double>> de_layer(4), de_written(4), dx_layer(4), dx_written(4), dids(4);
+
+  SECTION("embedding: the table's gradient; the ids' is zero") {
+    embedding_t tok(m, "tok", vocab, f, nn::rng_key{11});
+    fresh_table(tok);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      auto a = nn::value_and_grad([&](const auto& ids) { return loss_of(nn::apply_layer(tok, ids)); })(ids_of(dev));
+      auto b = nn::value_and_grad([&](const auto& e) { return loss_of(lookup(one_hot(dev), e)); })(tok.table.local(dev));
+      loss_layer[dev] = host(a.value)[0];
+      loss_written[dev] = host(b.value)[0];
+      const auto ids_grad = host(a.grad);
+      dids[dev].assign(ids_grad.begin(), ids_grad.end());
+      de_layer[dev] = host(tok.table.grad.local_value(dev));
+      de_written[dev] = host(b.grad);
+    });
+    for (std::size_t dev = 0; dev < 4; ++dev) {
+      CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+      // integer ids have no cotangent: their gradient is zeros (JAX's allow_int), not the ids
+      CHECK(dids[dev] == std::vector<double>(4, 0.0));
+    }
+    check_close(summed_shares(de_layer, model_of), de_written);
+  }
+
+  SECTION("tied_head: the input's gradient and the table's") {
+    embedding_t tok(m, "tok", vocab, f, nn::rng_key{11});
+    fresh_table(tok);
+    nn::tied_head<double, mesh2> head(tok);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<xd2_t>(m, dev, gx, x_at(dev));
+      auto a = nn::value_and_grad([&](const auto& xs) { return logits_loss(nn::apply_layer(head, xs)); })(x);
+      auto b = nn::value_and_grad<0, 1>([&](const auto& xs, const auto& e) { return logits_loss(attend(xs, e)); })(
+          x, tok.table.local(dev));
+      loss_layer[dev] = host(a.value)[0];
+      loss_written[dev] = host(b.value)[0];
+      dx_layer[dev] = host(a.grad);
+      dx_written[dev] = host(std::get<0>(b.grad));
+      de_layer[dev] = host(tok.table.grad.local_value(dev));
+      de_written[dev] = host(std::get<1>(b.grad));
+    });
+    for (std::size_t dev = 0; dev < 4; ++dev) CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+    check_close(dx_layer, dx_written);
+    check_close(summed_shares(de_layer, model_of), de_written);
+  }
+
+  SECTION("embedding, then the head tied to it: the table's gradient sums both uses") {
+    embedding_t tok(m, "tok", vocab, f, nn::rng_key{11});
+    fresh_table(tok);
+    nn::tied_head<double, mesh2> head(tok);
+    meshlib::spmd(m, [&](std::size_t dev) {
+      const auto x = block_of<xd2_t>(m, dev, gx, x_at(dev));
+      auto a = nn::value_and_grad<0, 1>([&](const auto& ids, const auto& xs) {
+        return logits_loss(nn::apply_layer(head, nn::tanh(nn::apply_layer(tok, ids)) + xs));
+      })(ids_of(dev), x);
+      auto b = nn::value_and_grad<0, 1>([&](const auto& xs, const auto& e) {
+        return logits_loss(attend(nn::tanh(lookup(one_hot(dev), e)) + xs, e));
+      })(x, tok.table.local(dev));
+      loss_layer[dev] = host(a.value)[0];
+      loss_written[dev] = host(b.value)[0];
+      dx_layer[dev] = host(std::get<1>(a.grad));
+      dx_written[dev] = host(std::get<0>(b.grad));
+      de_layer[dev] = host(tok.table.grad.local_value(dev));
+      de_written[dev] = host(std::get<1>(b.grad));
+    });
+    for (std::size_t dev = 0; dev < 4; ++dev) CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+    check_close(dx_layer, dx_written);
+    check_close(summed_shares(de_layer, model_of), de_written);
+  }
+}
+
+}  // namespace MESHLIB_TEST_UNIT
+
+namespace MESHLIB_TEST_UNIT {
+
+namespace {
+
+/// Checks a layer's hand-written backward through `apply_layer` against `value_and_grad` of the
+/// same forward written with the traced ops: `L = loss_of(apply_layer(layer, x))` and
+/// `loss_of(written(x, p...))`, `x = x_of(dev)` and `p...` the blocks of the parameters in `ps` (a
+/// tuple of references to the layer's `parameter`s) on every device of `m`. The losses, the inputs'
+/// gradients, and each parameter's gradient (the layer's per-device shares summed over the devices
+/// of the same `group`) must agree to 1e-5.
+template <class Mesh, class Layer, class Params, class XOf, class Written, class LossOf, class Group>
+void check_layer(const Mesh& m, Layer& layer, Params ps, XOf x_of, Written written, LossOf loss_of, Group group) {
+  constexpr std::size_t np = std::tuple_size_v<Params>;
+  const std::size_t n = m.size();
+  std::vector<double> loss_layer(n), loss_written(n);
+  std::vector<std::vector<double>> dx_layer(n), dx_written(n);
+  std::vector<std::vector<std::vector<double>>> dp_layer(np, std::vector<std::vector<double>>(n)), dp_written = dp_layer;
+  meshlib::spmd(m, [&](std::size_t dev) {
+    const auto x = x_of(dev);
+    auto a = nn::value_and_grad([&](const auto& xs) { return loss_of(nn::apply_layer(layer, xs)); })(x);
+    loss_layer[dev] = host(a.value)[0];
+    dx_layer[dev] = host(a.grad);
+    const auto f = [&](const auto& xs, const auto&... qs) { return loss_of(written(xs, qs...)); };
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      auto b = nn::value_and_grad<0, (I + 1)...>(f)(x, std::get<I>(ps).local(dev)...);
+      loss_written[dev] = host(b.value)[0];
+      if constexpr (np == 0) {
+        dx_written[dev] = host(b.grad);
+      } else {
+        dx_written[dev] = host(std::get<0>(b.grad));
+        ((dp_written[I][dev] = host(std::get<I + 1>(b.grad))), ...);
+        ((dp_layer[I][dev] = host(std::get<I>(ps).grad.local_value(dev))), ...);
+      }
+    }(std::make_index_sequence<np>{});
+  });
+  for (std::size_t dev = 0; dev < n; ++dev) CHECK(std::abs(loss_layer[dev] - loss_written[dev]) < 1e-10);
+  {
+    INFO("the input's gradient");
+    check_close(dx_layer, dx_written);
+  }
+  for (std::size_t k = 0; k < np; ++k) {
+    INFO("the gradient of parameter " << k);
+    check_close(summed_shares(dp_layer[k], group), dp_written[k]);
+  }
+}
+
+using cmask2_t = meshlib::local_tensor<double, 2, mesh2, D | M, 0, meshlib::dim_masks<0, 0>>;  // varying, not sharded
+
+/// The causal mask of a sequence of `seq` (1 where `j <= i`) on device `dev`.
+cmask2_t causal_mask(const mesh2& m, std::size_t dev, std::size_t seq) {
+  cmask2_t c(std::array<std::size_t, 2>{seq, seq}, m, dev);
+  for (std::size_t i = 0; i < seq; ++i)
+    for (std::size_t j = 0; j < seq; ++j) c.data()[i * seq + j] = j <= i ? 1.0 : 0.0;
+  return c;
+}
+
+/// `causal_self_attention` written with the traced ops, for a device holding 2 heads of `hd` and
+/// 2 sequences of `seq`: the fused projection (columns `[head][q, k, v][head_dim]`, sharded over
+/// model), per head and sequence `softmax(mask(Q K^T / sqrt(hd))) V` (the exponentials masked),
+/// the heads concatenated, the output projection (rows sharded over model) completed by a psum.
+template <class X, class W1, class B1, class W2, class B2>
+auto attention_written(const X& x, const W1& wqkv, const B1& bqkv, const W2& wout, const B2& bout, const cmask2_t& mask,
+                       std::size_t seq, std::size_t hd) {
+  auto y = nn::matmul(x, wqkv);
+  auto z = nn::forget_dims<"data", "model">(y + nn::broadcast_in_dim<0>(nn::pvary<"data">(bqkv), y));
+  const double scale = 1 / std::sqrt(static_cast<double>(hd));
+  const auto head = [&](std::size_t h, std::size_t s) {
+    auto rows = nn::slice<0>(z, s * seq, (s + 1) * seq);
+    auto q = nn::slice<1>(rows, 3 * h * hd, 3 * h * hd + hd);
+    auto k = nn::slice<1>(rows, 3 * h * hd + hd, 3 * h * hd + 2 * hd);
+    auto v = nn::slice<1>(rows, 3 * h * hd + 2 * hd, 3 * h * hd + 3 * hd);
+    auto sc = nn::matmul(q, nn::transpose(k)) * scale;
+    auto e = nn::exp(sc - nn::broadcast_in_dim<1>(nn::stop_gradient(nn::max<1>(sc)), sc)) * mask;
+    return nn::matmul(e / nn::broadcast_in_dim<1>(nn::sum<1>(e), e), v);
+  };
+  auto o = nn::concatenate<1>(nn::concatenate<0>(head(0, 0), head(0, 1)), nn::concatenate<0>(head(1, 0), head(1, 1)));
+  auto out = nn::psum<"model">(nn::matmul(o, nn::forget_dims<"model">(wout)));
+  return out + nn::broadcast_in_dim<0>(nn::pvary<"data">(bout), out);
+}
+
+/// `layer_norm` written with the traced ops (over the features; eps 1e-5), parameters replicated.
+template <meshlib::fixed_string Data, class X, class G, class B>
+auto layer_norm_written(const X& xs, const G& g, const B& b) {
+  const auto row = [](const auto& v, const auto& like) { return nn::broadcast_in_dim<1>(v, like); };
+  const auto col = [](const auto& p, const auto& like) { return nn::broadcast_in_dim<0>(nn::pvary<Data>(p), like); };
+  auto xc = xs - row(nn::mean<1>(xs), xs);
+  auto r = nn::rsqrt(nn::mean<1>(nn::square(xc)) + 1e-5);
+  return xc * row(r, xs) * col(g, xs) + col(b, xs);
+}
+
+const auto tanh_square_loss2 = [](const auto& y) {  // rows over data
+  return nn::psum<"data">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y)))));
+};
+
+}  // namespace
+
+TEST_CASE("positional_embedding as a primitive: gradients equal x + onehot(pos) W", "[nn][autodiff][layers]") {
+  // 16 tokens in sequences of 2, 4 a device over 4 devices, width 3, a table of 3 positions (the
+  // last never used): written as x + P W, P the one-hot of each token's position.
+  const mesh1 m{4};
+  nn::positional_embedding<double, mesh1> pos(m, "pos", 3, 3, 2, nn::rng_key{13});
+  set_param(pos.table, 4, random_array(3, 3, 71), [](std::size_t) { return block_at{0, 0, 3, 3, 3}; });
+  const auto gx = random_array(16, 3, 72);
+  check_layer(
+      m, pos, std::tie(pos.table), [&](std::size_t dev) { return block_of<rows1>(m, dev, gx, {4 * dev, 0, 4, 3, 3}); },
+      [&](const auto& xs, const auto& w) {
+        rows1 p(std::array<std::size_t, 2>{4, 3}, m, xs.device());
+        for (std::size_t i = 0; i < 4; ++i)
+          for (std::size_t q = 0; q < 3; ++q) p.data()[i * 3 + q] = i % 2 == q ? 1.0 : 0.0;
+        return xs + nn::matmul(p, w);
+      },
+      [](const auto& y) { return nn::psum<"x">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y))))); },
+      [](std::size_t) { return 0; });
+}
+
+TEST_CASE("dropout as a primitive: its gradient is the mask times 1/(1-rate), eval the identity",
+          "[nn][autodiff][layers]") {
+  // A (4, 6) activation sharded over data and model (2x2); rate 0.5 with a fixed key. The mask is
+  // computed here from the documented rule (global element (r, c) kept iff uniform(key.fold_in(id),
+  // r * 6 + c) >= rate, whichever device holds it), so the test also checks that the mask does not
+  // depend on the sharding. Written: x * mask * 2; in evaluation: x.
+  const mesh2 m{2, 2};
+  const float rate = 0.5f;
+  const nn::rng_key key{21};
+  nn::dropout<double> drop(m, "drop", rate);
+  const auto gx = random_array(4, 6, 81);
+  const auto x_at = [](std::size_t dev) { return block_at{2 * (dev / 2), 3 * (dev % 2), 2, 3, 6}; };
+  const auto x_of = [&](std::size_t dev) { return block_of<x2_t>(m, dev, gx, x_at(dev)); };
+  std::vector<double> gmask(24);
+  const nn::rng_key k = key.fold_in(nn::detail::name_id("drop"));
+  for (std::size_t e = 0; e < 24; ++e) gmask[e] = nn::uniform(k, e) >= rate ? 1.0 / static_cast<double>(1.0f - rate) : 0.0;
+  const auto kept = std::count_if(gmask.begin(), gmask.end(), [](double v) { return v != 0.0; });
+  CHECK(kept > 0);
+  CHECK(kept < 24);
+  const auto loss_of = [](const auto& y) { return nn::psum<"data", "model">(nn::sum<0>(nn::sum<1>(nn::square(nn::tanh(y))))); };
+  const auto group = [](std::size_t) { return 0; };
+  SECTION("training: the mask of the key") {
+    drop.begin_step(key, true);
+    check_layer(
+        m, drop, std::tuple<>{}, x_of,
+        [&](const auto& xs) { return xs * block_of<x2_t>(m, xs.device(), gmask, x_at(xs.device())); }, loss_of, group);
+  }
+  SECTION("evaluation: the identity") {
+    drop.begin_step(key, false);
+    check_layer(m, drop, std::tuple<>{}, x_of, [](const auto& xs) { return xs * 1.0; }, loss_of, group);
+  }
+}
+
+TEST_CASE("causal_self_attention as a primitive: gradients equal the written attention (2x2)",
+          "[nn][autodiff][layers]") {
+  // Width 8, 4 heads of 2 (2 a device over model), sequences of 3, 12 tokens (2 sequences a device
+  // over data); random biases. Every parameter's gradient and the input's.
+  const mesh2 m{2, 2};
+  const std::size_t seq = 3, hd = 2;
+  nn::causal_self_attention<double, mesh2> attn(m, "attn", 8, 4, seq, nn::rng_key{17});
+  set_param(attn.qkv.b, 4, random_array(1, 24, 91), [](std::size_t dev) { return block_at{0, 12 * (dev % 2), 1, 12, 24}; });
+  set_param(attn.proj.b, 4, random_array(1, 8, 92), [](std::size_t) { return block_at{0, 0, 1, 8, 8}; });
+  const auto gx = random_array(12, 8, 93);
+  check_layer(
+      m, attn, std::tie(attn.qkv.w, attn.qkv.b, attn.proj.w, attn.proj.b),
+      [&](std::size_t dev) { return block_of<xd2_t>(m, dev, gx, {6 * (dev / 2), 0, 6, 8, 8}); },
+      [&](const auto& xs, const auto& w1, const auto& b1, const auto& w2, const auto& b2) {
+        return attention_written(xs, w1, b1, w2, b2, causal_mask(m, xs.device(), seq), seq, hd);
+      },
+      tanh_square_loss2, model_of);
+}
+
+TEST_CASE("transformer_block as a primitive: gradients equal the written block (2x2)", "[nn][autodiff][layers]") {
+  // Width 8, 4 heads of 2, an MLP of 16 (8 a device over model), sequences of 3, 12 tokens (2
+  // sequences a device over data); random norms and biases. Written: x + attn(ln1(x)), then
+  // h + fc2(gelu(fc1(ln2(h)))), fc2 completed by a psum over model.
+  const mesh2 m{2, 2};
+  const std::size_t seq = 3, hd = 2;
+  nn::transformer_block<double, mesh2> blk(m, "h0", 8, 4, 16, seq, nn::rng_key{19});
+  const auto whole = [](std::size_t n) { return [n](std::size_t) { return block_at{0, 0, 1, n, n}; }; };
+  const auto split = [](std::size_t n) { return [n](std::size_t dev) { return block_at{0, n / 2 * (dev % 2), 1, n / 2, n}; }; };
+  auto around_one = random_array(1, 8, 101);
+  for (auto& v : around_one) v = 1 + 0.3 * v;
+  set_param(blk.ln1.g, 4, around_one, whole(8));
+  set_param(blk.ln1.b, 4, random_array(1, 8, 102), whole(8));
+  set_param(blk.ln2.g, 4, random_array(1, 8, 103), whole(8));
+  set_param(blk.ln2.b, 4, random_array(1, 8, 104), whole(8));
+  set_param(blk.attn.qkv.b, 4, random_array(1, 24, 105), split(24));
+  set_param(blk.attn.proj.b, 4, random_array(1, 8, 106), whole(8));
+  set_param(blk.fc1.b, 4, random_array(1, 16, 107), split(16));
+  set_param(blk.fc2.b, 4, random_array(1, 8, 108), whole(8));
+  const auto gx = random_array(12, 8, 109);
+  const double c = std::sqrt(2.0 / 3.141592653589793);
+  check_layer(
+      m, blk,
+      std::tie(blk.ln1.g, blk.ln1.b, blk.attn.qkv.w, blk.attn.qkv.b, blk.attn.proj.w, blk.attn.proj.b, blk.ln2.g,
+               blk.ln2.b, blk.fc1.w, blk.fc1.b, blk.fc2.w, blk.fc2.b),
+      [&](std::size_t dev) { return block_of<xd2_t>(m, dev, gx, {6 * (dev / 2), 0, 6, 8, 8}); },
+      [&](const auto& xs, const auto& g1, const auto& b1, const auto& wqkv, const auto& bqkv, const auto& wout,
+          const auto& bout, const auto& g2, const auto& b2, const auto& w1, const auto& c1, const auto& w2,
+          const auto& c2) {
+        auto x = nn::forget_dims<"data">(xs);
+        auto h = x + attention_written(layer_norm_written<"data">(x, g1, b1), wqkv, bqkv, wout, bout,
+                                       causal_mask(m, xs.device(), seq), seq, hd);
+        auto u = nn::matmul(layer_norm_written<"data">(h, g2, b2), w1);
+        auto a = u + nn::broadcast_in_dim<0>(nn::pvary<"data">(c1), u);
+        auto gl = a * 0.5 * (nn::tanh((a + nn::square(a) * a * 0.044715) * c) + 1.0);
+        auto z = nn::psum<"model">(nn::matmul(gl, w2));
+        return h + z + nn::broadcast_in_dim<0>(nn::pvary<"data">(c2), z);
+      },
+      tanh_square_loss2, model_of);
 }
 
 }  // namespace MESHLIB_TEST_UNIT
