@@ -1567,14 +1567,19 @@ class elementwise_activation {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), n = dy.size();
-    const auto [x, rows, cols] = saved_[dev];
-    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
-    T* dx = dx_.get(dev, n);
-    const T* d = dy.data();
-    const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), n = dy.size();
+      const auto [x, rows, cols] = saved_[dev];
+      check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
+      T* dx = dx_.get(dev, n);
+      const T* d = dy.data();
+      const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
+      detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// The elementwise function (`relu_fn`, `gelu_fn`): what a dense layer's fused backward
@@ -2070,10 +2075,15 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
-    const auto k = this->begin_backward(dy);
-    detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
-                                                      k.g, k.rows, k.n);
-    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto k = this->begin_backward(dy);
+      detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
+                                                        k.g, k.rows, k.n);
+      return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    }
   }
 
   /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
@@ -2158,9 +2168,14 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"rms_norm.backward", "dy", DY>());
-    const auto k = this->begin_backward(dy);
-    detail::rms_norm_backward<default_memory_space>(k.dx, k.dg, k.dy, k.xhat, k.stat, k.g, k.rows, k.n);
-    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto k = this->begin_backward(dy);
+      detail::rms_norm_backward<default_memory_space>(k.dx, k.dg, k.dy, k.xhat, k.stat, k.g, k.rows, k.n);
+      return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    }
   }
 
   /// Appends `g` to `out` (for the optimizer and gradient sync).
@@ -2775,12 +2790,17 @@ class positional_embedding {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
-    detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
-    T* g = table.grad.local(dev).data();
-    const T* dyp = dy.data();
-    detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
-    return dy;
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
+      detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+      T* g = table.grad.local(dev).data();
+      const T* dyp = dy.data();
+      detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
+      return dy;
+    }
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).
@@ -2910,22 +2930,27 @@ class tied_head {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"tied_head.backward", "dy", DY>());
-    using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
-    using DXP = with_partial_t<DX, model_mask>;
-    const std::size_t dev = dy.device();
-    const auto [x, rows] = saved_[dev];
-    const auto tl = table_.local(dev);
-    const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
-    const cview dyv(dy.data(), rows, vl);
-    matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
-    T* dx = dx_.get(dev, rows * d);
-    if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
-    matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
-    if constexpr (model_mask != 0)
-      return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
-    else
-      return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
+      using DXP = with_partial_t<DX, model_mask>;
+      const std::size_t dev = dy.device();
+      const auto [x, rows] = saved_[dev];
+      const auto tl = table_.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
+      const cview dyv(dy.data(), rows, vl);
+      matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
+      T* dx = dx_.get(dev, rows * d);
+      if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+      matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
+      if constexpr (model_mask != 0)
+        return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
+      else
+        return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    }
   }
 
   /// Nothing: the table is the embedding's, which lists it.
@@ -4596,17 +4621,22 @@ class pool2d {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"pool2d.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
-    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
-    const std::size_t k = window_, s = stride_;
-    const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(k * k);
-    detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+      const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+      const std::size_t k = window_, s = stride_;
+      const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(k * k);
+      detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.
@@ -4706,15 +4736,20 @@ class global_avg_pool {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"global_avg_pool.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    const std::size_t c = in_.channels, hw = in_.pixels();
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(hw);
-    detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      const std::size_t c = in_.channels, hw = in_.pixels();
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(hw);
+      detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.

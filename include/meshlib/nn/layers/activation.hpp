@@ -81,14 +81,19 @@ class elementwise_activation {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), n = dy.size();
-    const auto [x, rows, cols] = saved_[dev];
-    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
-    T* dx = dx_.get(dev, n);
-    const T* d = dy.data();
-    const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), n = dy.size();
+      const auto [x, rows, cols] = saved_[dev];
+      check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
+      T* dx = dx_.get(dev, n);
+      const T* d = dy.data();
+      const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
+      detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// The elementwise function (`relu_fn`, `gelu_fn`): what a dense layer's fused backward

@@ -75,10 +75,15 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
-    const auto k = this->begin_backward(dy);
-    detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
-                                                      k.g, k.rows, k.n);
-    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto k = this->begin_backward(dy);
+      detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
+                                                        k.g, k.rows, k.n);
+      return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    }
   }
 
   /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).

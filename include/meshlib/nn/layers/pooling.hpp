@@ -115,17 +115,22 @@ class pool2d {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"pool2d.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
-    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
-    const std::size_t k = window_, s = stride_;
-    const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(k * k);
-    detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+      const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+      const std::size_t k = window_, s = stride_;
+      const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(k * k);
+      detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.
@@ -225,15 +230,20 @@ class global_avg_pool {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"global_avg_pool.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    const std::size_t c = in_.channels, hw = in_.pixels();
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(hw);
-    detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      const std::size_t c = in_.channels, hw = in_.pixels();
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(hw);
+      detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.

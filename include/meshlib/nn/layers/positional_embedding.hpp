@@ -140,12 +140,17 @@ class positional_embedding {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
-    detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
-    T* g = table.grad.local(dev).data();
-    const T* dyp = dy.data();
-    detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
-    return dy;
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
+      detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+      T* g = table.grad.local(dev).data();
+      const T* dyp = dy.data();
+      detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
+      return dy;
+    }
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).

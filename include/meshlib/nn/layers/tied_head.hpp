@@ -118,22 +118,27 @@ class tied_head {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"tied_head.backward", "dy", DY>());
-    using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
-    using DXP = with_partial_t<DX, model_mask>;
-    const std::size_t dev = dy.device();
-    const auto [x, rows] = saved_[dev];
-    const auto tl = table_.local(dev);
-    const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
-    const cview dyv(dy.data(), rows, vl);
-    matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
-    T* dx = dx_.get(dev, rows * d);
-    if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
-    matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
-    if constexpr (model_mask != 0)
-      return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
-    else
-      return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
+      using DXP = with_partial_t<DX, model_mask>;
+      const std::size_t dev = dy.device();
+      const auto [x, rows] = saved_[dev];
+      const auto tl = table_.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
+      const cview dyv(dy.data(), rows, vl);
+      matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
+      T* dx = dx_.get(dev, rows * d);
+      if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+      matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
+      if constexpr (model_mask != 0)
+        return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
+      else
+        return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    }
   }
 
   /// Nothing: the table is the embedding's, which lists it.
