@@ -1151,6 +1151,20 @@ std::string layer_name(std::size_t index, const L& l) {
   else return "layer " + std::to_string(index);
 }
 
+// ---- the compile-time errors a layer's forward shares ----------------------------------------------
+
+/// The one error of a layer's `forward` given values of another element type than its parameters'
+/// and buffers' (`Takes`, the layer's `T`): `Layer` is its `diagnostic_name`. Layers check it
+/// before their layout, so the user reads the two types rather than a layout that looks right.
+template <class Layer, class Takes, class Receives>
+consteval bool layer_input_element_type_differs() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Takes, Receives>,
+                "meshlib::nn: the layer computes in another element type than its input's: the condition spells out "
+                "layer_input_element_type_differs<the layer, the element type it was declared with (its T), the "
+                "input's element type>; declare the layer with the input's element type, or give it values of its own");
+  return false;
+}
+
 // ---- the one compile-time error of sequential ------------------------------------------------------
 
 template <class Layer, class Receives, class From, class Needs>
@@ -1291,7 +1305,10 @@ class basic_dense {
   template <local_tensor_type X>
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"dense.forward", "x", X>());
-    if constexpr (!accepts_input<X>) {
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
       static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
     } else {
@@ -1500,6 +1517,15 @@ using row_dense = basic_dense<T, Mesh, dense_kind::row, Model>;
 namespace meshlib::nn {
 
 namespace detail {
+template <class Layer, class Receives>
+consteval bool activation_of_pending_sum() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives>,
+                "meshlib::nn: an activation of a pending sum is not the sum of activations: psum the input first "
+                "(the condition spells out the activation and the input's layout, whose partial<...> names the axes "
+                "of the pending sum)");
+  return false;
+}
+
 /// The shared body of elementwise activations: `Fn::f(x)` forward, `Fn::df(x)` its derivative.
 template <class T, class Fn>
 class elementwise_activation {
@@ -1521,27 +1547,39 @@ class elementwise_activation {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"activation.forward", "x", X>());
-    static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
-    const std::size_t dev = x.device(), n = x.size();
-    saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
-    T* y = out_.get(dev, n);
-    const T* xp = x.data();
-    detail::activation_forward<default_memory_space, Fn>(y, xp, n);
-    return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(activation_of_pending_sum<diagnostic_name, meshlib::diagnostic::value_t<X>>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.size();
+      saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
+      T* y = out_.get(dev, n);
+      const T* xp = x.data();
+      detail::activation_forward<default_memory_space, Fn>(y, xp, n);
+      return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    }
   }
 
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), n = dy.size();
-    const auto [x, rows, cols] = saved_[dev];
-    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
-    T* dx = dx_.get(dev, n);
-    const T* d = dy.data();
-    const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), n = dy.size();
+      const auto [x, rows, cols] = saved_[dev];
+      check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
+      T* dx = dx_.get(dev, n);
+      const T* d = dy.data();
+      const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
+      detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// The elementwise function (`relu_fn`, `gelu_fn`): what a dense layer's fused backward
@@ -1661,6 +1699,7 @@ using gelu = detail::elementwise_activation<T, detail::gelu_fn>;
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // begin meshlib/nn/detail/norm_kernels.hpp
@@ -2017,7 +2056,10 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
-    if constexpr (!base::template accepts_input<X>) {
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!base::template accepts_input<X>) {
       static_cast<void>(detail::layer_norm_input_sharded<typename base::diagnostic_name, meshlib::diagnostic::value_t<X>,
                                                          typename base::input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
@@ -2033,10 +2075,15 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
-    const auto k = this->begin_backward(dy);
-    detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
-                                                      k.g, k.rows, k.n);
-    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto k = this->begin_backward(dy);
+      detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
+                                                        k.g, k.rows, k.n);
+      return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    }
   }
 
   /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).
@@ -2067,10 +2114,21 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 
 namespace meshlib::nn {
+
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool rms_norm_input_sharded() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: rms_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                "feature dimension first (the condition spells out the layer, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
 
 /// @brief RMS normalisation over the last dimension with a scale `g` (init 1), replicated.
 template <class T, mesh_type Mesh>
@@ -2089,12 +2147,18 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"rms_norm.forward", "x", X>());
-    static_assert(base::template accepts_input<X>,
-                  "meshlib::nn: rms_norm normalises over complete, unsharded features: all_gather (or psum) the "
-                  "feature dimension first");
-    const auto f = this->begin_forward(x);  // xhat = x / rms, stat: 1/rms per row
-    detail::rms_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, f.rows, f.n, this->eps_);
-    return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!base::template accepts_input<X>) {
+      static_cast<void>(detail::rms_norm_input_sharded<typename base::diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                       typename base::input_requirement>());
+      return x;
+    } else {
+      const auto f = this->begin_forward(x);  // xhat = x / rms, stat: 1/rms per row
+      detail::rms_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, f.rows, f.n, this->eps_);
+      return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    }
   }
 
   /// The cotangent of the input, `r (dy g - xhat mean(dy g xhat))` per row (`r = 1/rms`); adds
@@ -2104,9 +2168,14 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"rms_norm.backward", "dy", DY>());
-    const auto k = this->begin_backward(dy);
-    detail::rms_norm_backward<default_memory_space>(k.dx, k.dg, k.dy, k.xhat, k.stat, k.g, k.rows, k.n);
-    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto k = this->begin_backward(dy);
+      detail::rms_norm_backward<default_memory_space>(k.dx, k.dg, k.dy, k.xhat, k.stat, k.g, k.rows, k.n);
+      return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    }
   }
 
   /// Appends `g` to `out` (for the optimizer and gradient sync).
@@ -2609,10 +2678,22 @@ class embedding {
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 
 namespace meshlib::nn {
+
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool positional_embedding_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: positional_embedding adds its replicated table to complete, unsharded features (rows "
+                "of tokens): all_gather (or psum) the feature dimension first (the condition spells out the layer, "
+                "the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
 
 /// @brief A learned positional embedding added to its input (see the file comment).
 template <class T, mesh_type Mesh>
@@ -2681,20 +2762,27 @@ class positional_embedding {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.forward", "x", X>());
-    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
-                  "meshlib::nn: positional_embedding adds to complete, unsharded features");
-    const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1), seq = seq_;
-    if (d != in_features())
-      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
-                           std::to_string(in_features()) + " features or declare " + name_ + " with " +
-                           std::to_string(d) + " features");
-    detail::check_whole_sequences(to_string(), rows, seq, dev);
-    shape_[dev] = {rows, d, seq, true};
-    T* y = out_.get(dev, rows * d);
-    const T* xp = x.data();
-    const T* w = table.local(dev).data();
-    detail::add_positions<default_memory_space>(y, xp, w, rows, d, seq);
-    return X(typename X::view_type(y, rows, d), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::positional_embedding_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                                        input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1), seq = seq_;
+      if (d != in_features())
+        throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
+                             std::to_string(in_features()) + " features or declare " + name_ + " with " +
+                             std::to_string(d) + " features");
+      detail::check_whole_sequences(to_string(), rows, seq, dev);
+      shape_[dev] = {rows, d, seq, true};
+      T* y = out_.get(dev, rows * d);
+      const T* xp = x.data();
+      const T* w = table.local(dev).data();
+      detail::add_positions<default_memory_space>(y, xp, w, rows, d, seq);
+      return X(typename X::view_type(y, rows, d), x.mesh(), dev);
+    }
   }
 
   /// Adds the cotangent of every token to its position's row of the table's gradient; returns `dy`
@@ -2702,12 +2790,17 @@ class positional_embedding {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
-    detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
-    T* g = table.grad.local(dev).data();
-    const T* dyp = dy.data();
-    detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
-    return dy;
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
+      detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+      T* g = table.grad.local(dev).data();
+      const T* dyp = dy.data();
+      detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
+      return dy;
+    }
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).
@@ -2751,11 +2844,23 @@ class positional_embedding {
 
 #include <cstddef>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 
 namespace meshlib::nn {
+
+namespace detail {
+template <class Layer, class ModelAxis, class Receives, class Needs>
+consteval bool tied_head_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Receives, Needs>,
+                "meshlib::nn: tied_head takes complete, unsharded features of its mesh (the output of a norm or a "
+                "row_dense) and returns logits sharded over its model axis: all_gather (or psum) the features first "
+                "(the condition spells out the layer, its model axis, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
 
 /// @brief The output layer tied to an `embedding` (see the file comment).
 template <class T, mesh_type Mesh, fixed_string Model = "model">
@@ -2796,21 +2901,28 @@ class tied_head {
   template <local_tensor_type X>
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"tied_head.forward", "x", X>());
-    static_assert(accepts_input<X>,
-                  "meshlib::nn: tied_head takes complete, unsharded features (the output of a norm or a row_dense)");
-    // The logits' type: a column_dense head's for this input (the matmul's sharding rules).
-    using W = typename parameter<T, 2, named_sharding<Mesh, typename detail::dense_specs<dense_kind::column, Model>::w>>::local_type;
-    using Y = decltype(meshlib::matmul(x, std::declval<const W&>()));
-    const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1);
-    const auto tl = table_.local(dev);
-    const std::size_t vl = tl.extent(0);
-    if (d != tl.extent(1))
-      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
-                           std::to_string(tl.extent(1)) + " features (the width of the embedding it is tied to)");
-    saved_[dev] = {x.data(), rows};
-    T* y = out_.get(dev, rows * vl);
-    matmul_into(view(y, rows, vl), cview(x.data(), rows, d), cview(tl.data(), vl, d), {.transpose_b = true});
-    return detail::wrap2<Y>(y, rows, vl, x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::tied_head_input_does_not_fit<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
+                                                             meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      // The logits' type: a column_dense head's for this input (the matmul's sharding rules).
+      using W = typename parameter<T, 2, named_sharding<Mesh, typename detail::dense_specs<dense_kind::column, Model>::w>>::local_type;
+      using Y = decltype(meshlib::matmul(x, std::declval<const W&>()));
+      const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1);
+      const auto tl = table_.local(dev);
+      const std::size_t vl = tl.extent(0);
+      if (d != tl.extent(1))
+        throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
+                             std::to_string(tl.extent(1)) + " features (the width of the embedding it is tied to)");
+      saved_[dev] = {x.data(), rows};
+      T* y = out_.get(dev, rows * vl);
+      matmul_into(view(y, rows, vl), cview(x.data(), rows, d), cview(tl.data(), vl, d), {.transpose_b = true});
+      return detail::wrap2<Y>(y, rows, vl, x.mesh(), dev);
+    }
   }
 
   /// Adds `dy^T x` to the embedding's gradient and returns `dx = psum<Model>(dy E_b)` (when `need_dx`).
@@ -2818,22 +2930,27 @@ class tied_head {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"tied_head.backward", "dy", DY>());
-    using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
-    using DXP = with_partial_t<DX, model_mask>;
-    const std::size_t dev = dy.device();
-    const auto [x, rows] = saved_[dev];
-    const auto tl = table_.local(dev);
-    const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
-    const cview dyv(dy.data(), rows, vl);
-    matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
-    T* dx = dx_.get(dev, rows * d);
-    if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
-    matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
-    if constexpr (model_mask != 0)
-      return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
-    else
-      return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
+      using DXP = with_partial_t<DX, model_mask>;
+      const std::size_t dev = dy.device();
+      const auto [x, rows] = saved_[dev];
+      const auto tl = table_.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
+      const cview dyv(dy.data(), rows, vl);
+      matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
+      T* dx = dx_.get(dev, rows * d);
+      if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+      matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
+      if constexpr (model_mask != 0)
+        return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
+      else
+        return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    }
   }
 
   /// Nothing: the table is the embedding's, which lists it.
@@ -4128,7 +4245,10 @@ class conv2d {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"conv2d.forward", "x", X>());
-    if constexpr (!accepts_input<X>) {
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
       static_cast<void>(detail::conv2d_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
     } else {
@@ -4316,6 +4436,7 @@ class conv2d {
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // begin meshlib/nn/detail/pool_kernels.hpp
@@ -4421,6 +4542,17 @@ namespace meshlib::nn {
 /// @brief How a `pool2d` reduces its windows.
 enum class pool_kind { max, average };
 
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool pool_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: max_pool2d, avg_pool2d and global_avg_pool take a complete rank-2 block of rows "
+                "(images, NHWC, flattened) of their mesh, with unsharded features: shard the batch over the data "
+                "axis, not the pixels (the condition spells out the layer, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
+
 /// @brief Max or average pooling over `window x window` windows (see the file comment).
 template <class T, mesh_type Mesh, pool_kind Kind>
 class pool2d {
@@ -4451,8 +4583,10 @@ class pool2d {
   /// A complete rank-2 block of rows with unsharded features.
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
-  /// For compile-time messages.
-  using diagnostic_name = meshlib::diagnostic::op_t<"pool2d">;
+  /// The kind, as messages spell it: `max_pool2d` or `avg_pool2d`.
+  static constexpr fixed_string kind_name = Kind == pool_kind::max ? fixed_string("max_pool2d") : fixed_string("avg_pool2d");
+  /// For compile-time messages: the kind, and what the input's features must be.
+  using diagnostic_name = meshlib::diagnostic::op_t<kind_name>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -4461,19 +4595,25 @@ class pool2d {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"pool2d.forward", "x", X>());
-    static_assert(accepts_input<X>, "meshlib::nn: pooling takes a complete rank-2 block of rows (images, NHWC) of its "
-                                    "mesh and element type, with unsharded features");
-    const std::size_t dev = x.device(), n = x.extent(0);
-    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    saved_[dev] = {n, true};
-    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
-    const std::size_t k = window_, s = stride_;
-    T* y = out_buf_.get(dev, n * out_.size());
-    std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
-    const T* xp = x.data();
-    const T inv = T{1} / static_cast<T>(k * k);
-    detail::pool_forward<default_memory_space, Kind == pool_kind::max>(y, arg, xp, n, h, wd, c, ho, wo, k, s, inv);
-    return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::pool_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.extent(0);
+      if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+      saved_[dev] = {n, true};
+      const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+      const std::size_t k = window_, s = stride_;
+      T* y = out_buf_.get(dev, n * out_.size());
+      std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+      const T* xp = x.data();
+      const T inv = T{1} / static_cast<T>(k * k);
+      detail::pool_forward<default_memory_space, Kind == pool_kind::max>(y, arg, xp, n, h, wd, c, ho, wo, k, s, inv);
+      return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
+    }
   }
 
   /// The cotangent of the input; the second argument (need_dx) is ignored.
@@ -4481,24 +4621,29 @@ class pool2d {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"pool2d.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
-    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
-    const std::size_t k = window_, s = stride_;
-    const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(k * k);
-    detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+      const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+      const std::size_t k = window_, s = stride_;
+      const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(k * k);
+      detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.
   void collect(std::vector<param_ref<T>>&) {}
 
  private:
-  static std::string kind_text() { return Kind == pool_kind::max ? "max_pool2d" : "avg_pool2d"; }
+  static std::string kind_text() { return std::string(kind_name.view()); }
   bool checked(const image_shape& in, std::size_t window) const {
     const std::string head = "meshlib::nn: " + name_ + " (" + kind_text() + " " + std::to_string(window) + "x" +
                              std::to_string(window) + " on " + in.to_string() + " images)";
@@ -4567,17 +4712,23 @@ class global_avg_pool {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"global_avg_pool.forward", "x", X>());
-    static_assert(accepts_input<X>, "meshlib::nn: global_avg_pool takes a complete rank-2 block of rows (images, NHWC) "
-                                    "of its mesh and element type, with unsharded features");
-    const std::size_t dev = x.device(), n = x.extent(0);
-    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    saved_[dev] = {n, true};
-    const std::size_t c = in_.channels, hw = in_.pixels();
-    T* y = out_buf_.get(dev, n * c);
-    const T* xp = x.data();
-    const T inv = T{1} / static_cast<T>(hw);
-    detail::global_pool_forward<default_memory_space>(y, xp, n, hw, c, inv);
-    return X(typename X::view_type(y, n, c), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::pool_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.extent(0);
+      if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+      saved_[dev] = {n, true};
+      const std::size_t c = in_.channels, hw = in_.pixels();
+      T* y = out_buf_.get(dev, n * c);
+      const T* xp = x.data();
+      const T inv = T{1} / static_cast<T>(hw);
+      detail::global_pool_forward<default_memory_space>(y, xp, n, hw, c, inv);
+      return X(typename X::view_type(y, n, c), x.mesh(), dev);
+    }
   }
 
   /// `dx = dy / (H * W)` on every pixel; the second argument (need_dx) is ignored.
@@ -4585,15 +4736,20 @@ class global_avg_pool {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"global_avg_pool.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    const std::size_t c = in_.channels, hw = in_.pixels();
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(hw);
-    detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      const std::size_t c = in_.channels, hw = in_.pixels();
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(hw);
+      detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.
@@ -4744,7 +4900,10 @@ class batch_norm {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"batch_norm.forward", "x", X>());
-    if constexpr (!accepts_input<X>) {
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
       using rows_need = meshlib::diagnostic::rows_sharded_over<meshlib::diagnostic::axes_t<Mesh, data_mask>>;
       static_cast<void>(detail::batch_norm_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>,
                                                               rows_need, input_requirement>());

@@ -31,6 +31,15 @@
 namespace meshlib::nn {
 
 namespace detail {
+template <class Layer, class Receives>
+consteval bool activation_of_pending_sum() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives>,
+                "meshlib::nn: an activation of a pending sum is not the sum of activations: psum the input first "
+                "(the condition spells out the activation and the input's layout, whose partial<...> names the axes "
+                "of the pending sum)");
+  return false;
+}
+
 /// The shared body of elementwise activations: `Fn::f(x)` forward, `Fn::df(x)` its derivative.
 template <class T, class Fn>
 class elementwise_activation {
@@ -52,27 +61,39 @@ class elementwise_activation {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"activation.forward", "x", X>());
-    static_assert(X::partial == 0, "meshlib::nn: an activation of a pending sum is not the sum of activations; psum first");
-    const std::size_t dev = x.device(), n = x.size();
-    saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
-    T* y = out_.get(dev, n);
-    const T* xp = x.data();
-    detail::activation_forward<default_memory_space, Fn>(y, xp, n);
-    return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(activation_of_pending_sum<diagnostic_name, meshlib::diagnostic::value_t<X>>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.size();
+      saved_[dev] = {x.data(), x.extent(0), x.extent(1)};
+      T* y = out_.get(dev, n);
+      const T* xp = x.data();
+      detail::activation_forward<default_memory_space, Fn>(y, xp, n);
+      return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    }
   }
 
   /// @throws sharding_error when `dy` is not shaped as this device's last forward input.
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"activation.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), n = dy.size();
-    const auto [x, rows, cols] = saved_[dev];
-    check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
-    T* dx = dx_.get(dev, n);
-    const T* d = dy.data();
-    const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
-    detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), n = dy.size();
+      const auto [x, rows, cols] = saved_[dev];
+      check_output_cotangent(std::string(Fn::name.view()), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, cols);
+      T* dx = dx_.get(dev, n);
+      const T* d = dy.data();
+      const T* xs = x;  // a copy: Clang before 16 cannot capture a structured binding
+      detail::activation_backward<default_memory_space, Fn>(dx, d, xs, n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// The elementwise function (`relu_fn`, `gelu_fn`): what a dense layer's fused backward

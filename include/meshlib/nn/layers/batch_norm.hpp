@@ -142,7 +142,10 @@ class batch_norm {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"batch_norm.forward", "x", X>());
-    if constexpr (!accepts_input<X>) {
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
       using rows_need = meshlib::diagnostic::rows_sharded_over<meshlib::diagnostic::axes_t<Mesh, data_mask>>;
       static_cast<void>(detail::batch_norm_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>,
                                                               rows_need, input_requirement>());

@@ -177,7 +177,10 @@ class basic_dense {
   template <local_tensor_type X>
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"dense.forward", "x", X>());
-    if constexpr (!accepts_input<X>) {
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
       static_cast<void>(detail::dense_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
     } else {

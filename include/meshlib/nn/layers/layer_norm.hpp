@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/nn/detail/norm_kernels.hpp"
@@ -55,7 +56,10 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"layer_norm.forward", "x", X>());
-    if constexpr (!base::template accepts_input<X>) {
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!base::template accepts_input<X>) {
       static_cast<void>(detail::layer_norm_input_sharded<typename base::diagnostic_name, meshlib::diagnostic::value_t<X>,
                                                          typename base::input_requirement>());
       return x;  // the one diagnostic above has fired; nothing else may
@@ -71,10 +75,15 @@ class layer_norm : public row_norm<T, Mesh, "layer_norm"> {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"layer_norm.backward", "dy", DY>());
-    const auto k = this->begin_backward(dy);
-    detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
-                                                      k.g, k.rows, k.n);
-    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto k = this->begin_backward(dy);
+      detail::layer_norm_backward<default_memory_space>(k.dx, k.dg, b.grad.local(k.dev).data(), k.dy, k.xhat, k.stat,
+                                                        k.g, k.rows, k.n);
+      return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    }
   }
 
   /// Appends `g` and `b` to `out` (for the optimizer and gradient sync).

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/nn/buffers.hpp"
@@ -34,6 +35,17 @@ namespace meshlib::nn {
 
 /// @brief How a `pool2d` reduces its windows.
 enum class pool_kind { max, average };
+
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool pool_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: max_pool2d, avg_pool2d and global_avg_pool take a complete rank-2 block of rows "
+                "(images, NHWC, flattened) of their mesh, with unsharded features: shard the batch over the data "
+                "axis, not the pixels (the condition spells out the layer, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
 
 /// @brief Max or average pooling over `window x window` windows (see the file comment).
 template <class T, mesh_type Mesh, pool_kind Kind>
@@ -65,8 +77,10 @@ class pool2d {
   /// A complete rank-2 block of rows with unsharded features.
   template <class X>
   static constexpr bool accepts_input = detail::image_layer_accepts<X, Mesh, T>();
-  /// For compile-time messages.
-  using diagnostic_name = meshlib::diagnostic::op_t<"pool2d">;
+  /// The kind, as messages spell it: `max_pool2d` or `avg_pool2d`.
+  static constexpr fixed_string kind_name = Kind == pool_kind::max ? fixed_string("max_pool2d") : fixed_string("avg_pool2d");
+  /// For compile-time messages: the kind, and what the input's features must be.
+  using diagnostic_name = meshlib::diagnostic::op_t<kind_name>;
   /// @copydoc diagnostic_name
   using input_requirement = diagnostic::features_sharded_over<diagnostic::axes<>>;
 
@@ -75,19 +89,25 @@ class pool2d {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"pool2d.forward", "x", X>());
-    static_assert(accepts_input<X>, "meshlib::nn: pooling takes a complete rank-2 block of rows (images, NHWC) of its "
-                                    "mesh and element type, with unsharded features");
-    const std::size_t dev = x.device(), n = x.extent(0);
-    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    saved_[dev] = {n, true};
-    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
-    const std::size_t k = window_, s = stride_;
-    T* y = out_buf_.get(dev, n * out_.size());
-    std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
-    const T* xp = x.data();
-    const T inv = T{1} / static_cast<T>(k * k);
-    detail::pool_forward<default_memory_space, Kind == pool_kind::max>(y, arg, xp, n, h, wd, c, ho, wo, k, s, inv);
-    return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::pool_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.extent(0);
+      if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+      saved_[dev] = {n, true};
+      const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+      const std::size_t k = window_, s = stride_;
+      T* y = out_buf_.get(dev, n * out_.size());
+      std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+      const T* xp = x.data();
+      const T inv = T{1} / static_cast<T>(k * k);
+      detail::pool_forward<default_memory_space, Kind == pool_kind::max>(y, arg, xp, n, h, wd, c, ho, wo, k, s, inv);
+      return X(typename X::view_type(y, n, out_.size()), x.mesh(), dev);
+    }
   }
 
   /// The cotangent of the input; the second argument (need_dx) is ignored.
@@ -95,24 +115,29 @@ class pool2d {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"pool2d.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
-    const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
-    const std::size_t k = window_, s = stride_;
-    const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(k * k);
-    detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, out_.size());
+      const std::size_t ho = out_.height, wo = out_.width, c = in_.channels, wd = in_.width, h = in_.height;
+      const std::size_t k = window_, s = stride_;
+      const std::uint32_t* arg = Kind == pool_kind::max ? arg_.get(dev, n * out_.size()) : nullptr;
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(k * k);
+      detail::pool_backward<default_memory_space, Kind == pool_kind::max>(dx, arg, d, n, h, wd, c, ho, wo, k, s, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.
   void collect(std::vector<param_ref<T>>&) {}
 
  private:
-  static std::string kind_text() { return Kind == pool_kind::max ? "max_pool2d" : "avg_pool2d"; }
+  static std::string kind_text() { return std::string(kind_name.view()); }
   bool checked(const image_shape& in, std::size_t window) const {
     const std::string head = "meshlib::nn: " + name_ + " (" + kind_text() + " " + std::to_string(window) + "x" +
                              std::to_string(window) + " on " + in.to_string() + " images)";
@@ -181,17 +206,23 @@ class global_avg_pool {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"global_avg_pool.forward", "x", X>());
-    static_assert(accepts_input<X>, "meshlib::nn: global_avg_pool takes a complete rank-2 block of rows (images, NHWC) "
-                                    "of its mesh and element type, with unsharded features");
-    const std::size_t dev = x.device(), n = x.extent(0);
-    if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
-    saved_[dev] = {n, true};
-    const std::size_t c = in_.channels, hw = in_.pixels();
-    T* y = out_buf_.get(dev, n * c);
-    const T* xp = x.data();
-    const T inv = T{1} / static_cast<T>(hw);
-    detail::global_pool_forward<default_memory_space>(y, xp, n, hw, c, inv);
-    return X(typename X::view_type(y, n, c), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::pool_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.extent(0);
+      if (x.extent(1) != in_.size()) throw sharding_error(detail::image_width_error(to_string(), name_, x.extent(1), in_));
+      saved_[dev] = {n, true};
+      const std::size_t c = in_.channels, hw = in_.pixels();
+      T* y = out_buf_.get(dev, n * c);
+      const T* xp = x.data();
+      const T inv = T{1} / static_cast<T>(hw);
+      detail::global_pool_forward<default_memory_space>(y, xp, n, hw, c, inv);
+      return X(typename X::view_type(y, n, c), x.mesh(), dev);
+    }
   }
 
   /// `dx = dy / (H * W)` on every pixel; the second argument (need_dx) is ignored.
@@ -199,15 +230,20 @@ class global_avg_pool {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"global_avg_pool.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    const auto [n, ran] = saved_[dev];
-    const std::size_t c = in_.channels, hw = in_.pixels();
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
-    const T* d = dy.data();
-    T* dx = dx_.get(dev, n * in_.size());
-    const T inv = T{1} / static_cast<T>(hw);
-    detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
-    return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      const auto [n, ran] = saved_[dev];
+      const std::size_t c = in_.channels, hw = in_.pixels();
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, n, c);
+      const T* d = dy.data();
+      T* dx = dx_.get(dev, n * in_.size());
+      const T inv = T{1} / static_cast<T>(hw);
+      detail::global_pool_backward<default_memory_space>(dx, d, n, hw, c, inv);
+      return DY(typename DY::view_type(dx, n, in_.size()), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: pooling has no parameters.

@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/core/partition_spec.hpp"
@@ -32,6 +33,17 @@
 #include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
+
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool positional_embedding_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: positional_embedding adds its replicated table to complete, unsharded features (rows "
+                "of tokens): all_gather (or psum) the feature dimension first (the condition spells out the layer, "
+                "the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
 
 /// @brief A learned positional embedding added to its input (see the file comment).
 template <class T, mesh_type Mesh>
@@ -100,20 +112,27 @@ class positional_embedding {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.forward", "x", X>());
-    static_assert(X::rank == 2 && X::dims_type::at(1) == 0 && X::partial == 0,
-                  "meshlib::nn: positional_embedding adds to complete, unsharded features");
-    const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1), seq = seq_;
-    if (d != in_features())
-      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
-                           std::to_string(in_features()) + " features or declare " + name_ + " with " +
-                           std::to_string(d) + " features");
-    detail::check_whole_sequences(to_string(), rows, seq, dev);
-    shape_[dev] = {rows, d, seq, true};
-    T* y = out_.get(dev, rows * d);
-    const T* xp = x.data();
-    const T* w = table.local(dev).data();
-    detail::add_positions<default_memory_space>(y, xp, w, rows, d, seq);
-    return X(typename X::view_type(y, rows, d), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::positional_embedding_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                                        input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1), seq = seq_;
+      if (d != in_features())
+        throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
+                             std::to_string(in_features()) + " features or declare " + name_ + " with " +
+                             std::to_string(d) + " features");
+      detail::check_whole_sequences(to_string(), rows, seq, dev);
+      shape_[dev] = {rows, d, seq, true};
+      T* y = out_.get(dev, rows * d);
+      const T* xp = x.data();
+      const T* w = table.local(dev).data();
+      detail::add_positions<default_memory_space>(y, xp, w, rows, d, seq);
+      return X(typename X::view_type(y, rows, d), x.mesh(), dev);
+    }
   }
 
   /// Adds the cotangent of every token to its position's row of the table's gradient; returns `dy`
@@ -121,12 +140,17 @@ class positional_embedding {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"positional_embedding.backward", "dy", DY>());
-    const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
-    detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
-    T* g = table.grad.local(dev).data();
-    const T* dyp = dy.data();
-    detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
-    return dy;
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), rows = dy.extent(0), d = dy.extent(1), seq = shape_[dev].seq;
+      detail::check_output_cotangent(to_string(), dev, rows, d, shape_[dev].ran, shape_[dev].rows, shape_[dev].cols);
+      T* g = table.grad.local(dev).data();
+      const T* dyp = dy.data();
+      detail::position_grad<default_memory_space>(g, dyp, rows, d, seq);
+      return dy;
+    }
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).

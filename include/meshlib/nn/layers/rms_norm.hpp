@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/nn/detail/norm_kernels.hpp"
@@ -26,6 +27,16 @@
 #include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
+
+namespace detail {
+template <class Layer, class Receives, class Needs>
+consteval bool rms_norm_input_sharded() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: rms_norm normalises over complete, unsharded features: all_gather (or psum) the "
+                "feature dimension first (the condition spells out the layer, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
 
 /// @brief RMS normalisation over the last dimension with a scale `g` (init 1), replicated.
 template <class T, mesh_type Mesh>
@@ -44,12 +55,18 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"rms_norm.forward", "x", X>());
-    static_assert(base::template accepts_input<X>,
-                  "meshlib::nn: rms_norm normalises over complete, unsharded features: all_gather (or psum) the "
-                  "feature dimension first");
-    const auto f = this->begin_forward(x);  // xhat = x / rms, stat: 1/rms per row
-    detail::rms_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, f.rows, f.n, this->eps_);
-    return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!base::template accepts_input<X>) {
+      static_cast<void>(detail::rms_norm_input_sharded<typename base::diagnostic_name, meshlib::diagnostic::value_t<X>,
+                                                       typename base::input_requirement>());
+      return x;
+    } else {
+      const auto f = this->begin_forward(x);  // xhat = x / rms, stat: 1/rms per row
+      detail::rms_norm_forward<default_memory_space>(f.y, f.xhat, f.stat, f.x, f.g, f.rows, f.n, this->eps_);
+      return X(typename X::view_type(f.y, f.rows, f.n), x.mesh(), f.dev);
+    }
   }
 
   /// The cotangent of the input, `r (dy g - xhat mean(dy g xhat))` per row (`r = 1/rms`); adds
@@ -59,9 +76,14 @@ class rms_norm : public row_norm<T, Mesh, "rms_norm"> {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"rms_norm.backward", "dy", DY>());
-    const auto k = this->begin_backward(dy);
-    detail::rms_norm_backward<default_memory_space>(k.dx, k.dg, k.dy, k.xhat, k.stat, k.g, k.rows, k.n);
-    return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<typename base::diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto k = this->begin_backward(dy);
+      detail::rms_norm_backward<default_memory_space>(k.dx, k.dg, k.dy, k.xhat, k.stat, k.g, k.rows, k.n);
+      return DY(typename DY::view_type(k.dx, k.rows, k.n), dy.mesh(), k.dev);
+    }
   }
 
   /// Appends `g` to `out` (for the optimizer and gradient sync).

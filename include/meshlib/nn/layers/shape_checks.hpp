@@ -164,6 +164,20 @@ std::string layer_name(std::size_t index, const L& l) {
   else return "layer " + std::to_string(index);
 }
 
+// ---- the compile-time errors a layer's forward shares ----------------------------------------------
+
+/// The one error of a layer's `forward` given values of another element type than its parameters'
+/// and buffers' (`Takes`, the layer's `T`): `Layer` is its `diagnostic_name`. Layers check it
+/// before their layout, so the user reads the two types rather than a layout that looks right.
+template <class Layer, class Takes, class Receives>
+consteval bool layer_input_element_type_differs() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Takes, Receives>,
+                "meshlib::nn: the layer computes in another element type than its input's: the condition spells out "
+                "layer_input_element_type_differs<the layer, the element type it was declared with (its T), the "
+                "input's element type>; declare the layer with the input's element type, or give it values of its own");
+  return false;
+}
+
 // ---- the one compile-time error of sequential ------------------------------------------------------
 
 template <class Layer, class Receives, class From, class Needs>

@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -37,6 +38,17 @@
 #include "meshlib/tensor/pointer_check.hpp"
 
 namespace meshlib::nn {
+
+namespace detail {
+template <class Layer, class ModelAxis, class Receives, class Needs>
+consteval bool tied_head_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Receives, Needs>,
+                "meshlib::nn: tied_head takes complete, unsharded features of its mesh (the output of a norm or a "
+                "row_dense) and returns logits sharded over its model axis: all_gather (or psum) the features first "
+                "(the condition spells out the layer, its model axis, the input's layout and what it needs)");
+  return false;
+}
+}  // namespace detail
 
 /// @brief The output layer tied to an `embedding` (see the file comment).
 template <class T, mesh_type Mesh, fixed_string Model = "model">
@@ -77,21 +89,28 @@ class tied_head {
   template <local_tensor_type X>
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"tied_head.forward", "x", X>());
-    static_assert(accepts_input<X>,
-                  "meshlib::nn: tied_head takes complete, unsharded features (the output of a norm or a row_dense)");
-    // The logits' type: a column_dense head's for this input (the matmul's sharding rules).
-    using W = typename parameter<T, 2, named_sharding<Mesh, typename detail::dense_specs<dense_kind::column, Model>::w>>::local_type;
-    using Y = decltype(meshlib::matmul(x, std::declval<const W&>()));
-    const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1);
-    const auto tl = table_.local(dev);
-    const std::size_t vl = tl.extent(0);
-    if (d != tl.extent(1))
-      throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
-                           std::to_string(tl.extent(1)) + " features (the width of the embedding it is tied to)");
-    saved_[dev] = {x.data(), rows};
-    T* y = out_.get(dev, rows * vl);
-    matmul_into(view(y, rows, vl), cview(x.data(), rows, d), cview(tl.data(), vl, d), {.transpose_b = true});
-    return detail::wrap2<Y>(y, rows, vl, x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(detail::tied_head_input_does_not_fit<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
+                                                             meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      // The logits' type: a column_dense head's for this input (the matmul's sharding rules).
+      using W = typename parameter<T, 2, named_sharding<Mesh, typename detail::dense_specs<dense_kind::column, Model>::w>>::local_type;
+      using Y = decltype(meshlib::matmul(x, std::declval<const W&>()));
+      const std::size_t dev = x.device(), rows = x.extent(0), d = x.extent(1);
+      const auto tl = table_.local(dev);
+      const std::size_t vl = tl.extent(0);
+      if (d != tl.extent(1))
+        throw sharding_error("meshlib::nn: " + to_string() + " received " + std::to_string(d) + " features; feed it " +
+                             std::to_string(tl.extent(1)) + " features (the width of the embedding it is tied to)");
+      saved_[dev] = {x.data(), rows};
+      T* y = out_.get(dev, rows * vl);
+      matmul_into(view(y, rows, vl), cview(x.data(), rows, d), cview(tl.data(), vl, d), {.transpose_b = true});
+      return detail::wrap2<Y>(y, rows, vl, x.mesh(), dev);
+    }
   }
 
   /// Adds `dy^T x` to the embedding's gradient and returns `dx = psum<Model>(dy E_b)` (when `need_dx`).
@@ -99,22 +118,27 @@ class tied_head {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"tied_head.backward", "dy", DY>());
-    using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
-    using DXP = with_partial_t<DX, model_mask>;
-    const std::size_t dev = dy.device();
-    const auto [x, rows] = saved_[dev];
-    const auto tl = table_.local(dev);
-    const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
-    const cview dyv(dy.data(), rows, vl);
-    matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
-    T* dx = dx_.get(dev, rows * d);
-    if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
-    matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
-    if constexpr (model_mask != 0)
-      return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
-    else
-      return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      using DX = rebind_local_t<DY, T, 2, DY::vary & ~model_mask, 0, dim_masks<DY::dims_type::at(0), axis_mask{0}>>;
+      using DXP = with_partial_t<DX, model_mask>;
+      const std::size_t dev = dy.device();
+      const auto [x, rows] = saved_[dev];
+      const auto tl = table_.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), x != nullptr, rows, vl);
+      const cview dyv(dy.data(), rows, vl);
+      matmul_into(view(table_.grad.local(dev).data(), vl, d), dyv, cview(x, rows, d), {.transpose_a = true, .beta = 1});
+      T* dx = dx_.get(dev, rows * d);
+      if (!need_dx) return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+      matmul_into(view(dx, rows, d), dyv, cview(tl.data(), vl, d));
+      if constexpr (model_mask != 0)
+        return meshlib::psum<Model>(detail::wrap2<DXP>(dx, rows, d, dy.mesh(), dev));  // donated: in place
+      else
+        return detail::wrap2<DX>(dx, rows, d, dy.mesh(), dev);
+    }
   }
 
   /// Nothing: the table is the embedding's, which lists it.
