@@ -88,10 +88,15 @@ class optimizer_step {
   void run(const Mesh& mesh, const optimizer& opt, const std::vector<param_ref<T>>& params, std::size_t step,
            const Master& master, const ParamState& param_state, std::size_t dev, double norm, axis_mask except,
            ForRuns&& given) {
-    // An optimizer that reads whole parameters, on runs ZeRO-1 cuts: a run of every parameter.
+    // An optimizer that reads whole parameters: on runs ZeRO-1 cuts, a run of every parameter; none
+    // of a parameter held by no device it would sum with (`held_by_none`).
     const auto for_runs = [&](auto&& f) {
-      if (opt.whole_parameters() && except != 0) return for_every_param(opt, params.size(), dev, given, f);
-      given(f);
+      if (!opt.whole_parameters()) return given(f);
+      const auto held = [&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+        if (!held_by_none(params[i], dev)) f(i, off, u, len, slot);
+      };
+      if (except != 0) return for_every_param(opt, params.size(), dev, given, held);
+      given(held);
     };
     for (std::size_t k = 0; k < opt.stages(); ++k) {
       double stage_norm = norm;
@@ -114,6 +119,13 @@ class optimizer_step {
   }
 
  private:
+  /// Whether device `dev` holds no block of `p`, nor does any device it would sum `p`'s statistics
+  /// with: `p` is split over an axis that is not summed over (a pipeline's: only its stage's
+  /// devices hold it), and the devices of a sum differ over summed axes only, so they all hold it or
+  /// none do. (A device with an empty block of a parameter split over summed axes still sums.)
+  [[nodiscard]] static bool held_by_none(const param_ref<T>& p, std::size_t dev) {
+    return p.count[dev] == 0 && (p.sharded_axes & ~(ShardAxes | CutAxes)) != 0;
+  }
   /// `for_runs(f)`, and `f(i, 0, nullptr, 0, no slots)` for each parameter `i` of `n` that it gives
   /// no run of, in parameter order (`for_runs` gives at most one run per parameter, in order, as
   /// ZeRO-1's slice of the flat vector holds them).
