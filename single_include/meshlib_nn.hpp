@@ -8354,9 +8354,9 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 /// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
 /// and `adafactor` (optax's). Every transform updates one element from that element's gradient and state only
 /// (clipping aside, which reads one norm over the mesh; Adafactor aside, which reads whole
-/// parameters, summing over a tensor-parallel parameter's blocks, and so refuses ZeRO-1 and FSDP
-/// pieces), which is what lets the same chain run on a replicated state or on a ZeRO-1 / FSDP
-/// shard of it with identical numbers.
+/// parameters, summing its statistics over the pieces of a tensor-parallel, FSDP or ZeRO-1
+/// parameter), which is what lets the same chain run on a replicated state or on a ZeRO-1 / FSDP
+/// shard of it with identical numbers (Adafactor's: up to the order of those sums).
 /// @code
 /// namespace nn = meshlib::nn;
 /// nn::optimizer opt = nn::adamw(nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
@@ -8848,8 +8848,9 @@ inline void apply_updates(float* p, float* u, std::size_t n) {
 /// column vector per matrix, O(rows + cols) instead of O(rows x cols)) says so with
 /// `param_state_size(param)`: the floats it keeps per parameter, zero at the start. The train state
 /// holds them whole on every device that holds a block of the parameter (alike on all of them: such
-/// a transform makes them so, summing its statistics over the parameter's blocks through
-/// `update_run::blocks`), checkpoints save them once, and `update_run::param_state` points at them.
+/// a transform makes them so, summing its statistics over the parameter's pieces through
+/// `update_run::blocks`: tensor-parallel blocks, FSDP shards, ZeRO-1 runs), checkpoints save them
+/// once, and `update_run::param_state` points at them.
 /// @code
 /// struct scale_by_sign {   // a user-written transform: update = sign(update), no state
 ///   std::size_t slots() const { return 0; }
@@ -8879,9 +8880,11 @@ struct param_info {
 };
 
 /// @brief Where a device's block of a parameter lies, for a transform whose statistics are over
-/// the whole parameter (`param_state_size`): the block's offset and extent per dimension, and a
-/// sum over the devices that hold the parameter's other blocks (its tensor-parallel axes), after
-/// which every one of them holds the same numbers (the collectives' sums are deterministic).
+/// the whole parameter (`param_state_size`): the block's offset and extent per dimension (the run
+/// is elements `[offset, offset + size)` of it, `update_run`), and a sum over the devices that hold
+/// the parameter's other pieces (its tensor-parallel and fsdp axes; under ZeRO-1 also the data
+/// axes, whose devices each hold a run of the same block), after which every one of them holds the
+/// same numbers (the collectives' sums are deterministic).
 class param_blocks {
  public:
   /// (Polymorphic: the train state implements it over its mesh.)
@@ -8890,12 +8893,14 @@ class param_blocks {
   [[nodiscard]] virtual std::span<const std::size_t> offset() const = 0;
   /// The block's extent per dimension (row-major, as its elements lie in the run).
   [[nodiscard]] virtual std::span<const std::size_t> extent() const = 0;
-  /// Whether the parameter is split over several devices (false: the block is all of it).
+  /// Whether the parameter is split over several devices (false: the block is all of it, and so is
+  /// the run).
   [[nodiscard]] virtual bool split() const = 0;
-  /// Sums `x` elementwise, in place, over the devices that hold the parameter's blocks (each calls
-  /// it, in the same order). `x` is in the running device's memory.
+  /// Sums `x` elementwise, in place, over the devices that hold the parameter's pieces (each calls
+  /// it, in the same order; under ZeRO-1 also one whose slice holds none of it, with an empty run).
+  /// `x` is in the running device's memory.
   virtual void sum(std::span<float> x) const = 0;
-  /// As above, in double (a host span: block RMS sums).
+  /// As above, in double (Adafactor's factored sums, the block RMS's sum of squares).
   virtual void sum(std::span<double> x) const = 0;
 };
 
@@ -8919,9 +8924,12 @@ struct update_run {
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
 /// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
 /// `reads_global_norm(stage)` (default false), `param_state_size(const param_info&)` (default 0:
-/// floats of per-parameter state, see the file comment), `whole_parameters()` (default false: true for a
-/// transform that needs every element of a parameter in one run, as Adafactor's statistics do) and `update_and_apply(run, float* params)`, the update
-/// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
+/// floats of per-parameter state, see the file comment), `whole_parameters()` (default false: true
+/// for a transform whose statistics are over every element of a parameter, as Adafactor's: it gets
+/// `update_run::blocks`, and under ZeRO-1 a run of every parameter, empty where a device holds none,
+/// so that its sums over the pieces match on every device) and `update_and_apply(run, float*
+/// params)`, the update and then `params += updates` in one pass (default: `update`, then a pass
+/// that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
 /// asked for, which for `optimizer`'s converting constructor would ask itself.)
 template <class T>
@@ -8995,7 +9003,7 @@ bool reads_global_norm_of(const T& t, std::size_t stage) {
   if constexpr (requires { t.reads_global_norm(stage); }) return t.reads_global_norm(stage);
   else return false;
 }
-/// `t.whole_parameters()` (the transform reads every element of a parameter at once), or false.
+/// `t.whole_parameters()` (the transform's statistics are over every element of a parameter), or false.
 template <class T>
 bool whole_parameters_of(const T& t) {
   if constexpr (requires { t.whole_parameters(); }) return t.whole_parameters();
@@ -9146,8 +9154,9 @@ struct scale_by_adam {
 /// `clip_by_block_rms(threshold)` divides a parameter's updates by `max(1, rms(updates) /
 /// threshold)`; `scale_by_param_block_rms(min_scale)` multiplies them by `max(rms(param),
 /// min_scale)`, so a step moves a parameter in proportion to its own size. The RMS is over the whole
-/// parameter: both need it whole on the device that updates it (`whole_parameters()`; see
-/// nn/optim/factored_rms.hpp).
+/// parameter (`whole_parameters()`): a device holding a piece of it (a tensor-parallel block, an
+/// FSDP shard, a ZeRO-1 run) sums its piece's squares, and the sum is added over the devices
+/// holding the others (`update_run::blocks`; see nn/optim/factored_rms.hpp).
 /// @code
 /// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
 ///                              meshlib::nn::scale_by_param_block_rms(), meshlib::nn::scale(-1e-2f));
@@ -9164,7 +9173,8 @@ struct scale_by_adam {
 /// @file
 /// @brief The kernels of the transforms that read a whole parameter (nn/optim/factored_rms.hpp,
 /// nn/optim/block_rms.hpp): a deterministic sum of squares, and the row and column statistics of
-/// Adafactor's factored second moment. Classes, not lambdas: nvcc refuses extended lambdas in
+/// Adafactor's factored second moment, of a whole parameter or of a run of a device's block of it
+/// (a tensor-parallel block, an FSDP shard, a piece in a ZeRO-1 slice). Classes, not lambdas: nvcc refuses extended lambdas in
 /// functions whose return type is deduced, and these are called from such code.
 ///
 /// A parameter is a row-major array; its factored statistics are the arrays optax keeps, laid out
@@ -9303,40 +9313,52 @@ struct block_map {
   }
 };
 
-/// The block's partial sums of a factored statistic: for each of the block's lines along the
-/// dimension of block stride `s` and extent `n` (line `j`: the block without that dimension),
-/// `sums[statistic of the line] = sum (g^2 + eps)`, the statistic's index in the whole parameter's
-/// statistic (global stride `gs`, extent `gn` of that dimension). `sums` starts at zero; a line is
-/// one statistic, so no two lines write one entry.
+/// The partial sums of a factored statistic over a run of a block: for each of the block's lines
+/// along the dimension of block stride `s` and extent `n` (line `j`: the block without that
+/// dimension), `sums[statistic of the line] = sum (g^2 + eps)` over the line's elements in the run
+/// (block elements `[lo, hi)`, at `g[0, hi - lo)`), the statistic's index in the whole parameter's
+/// statistic (global stride `gs`, extent `gn` of that dimension), in double as `factored_moment`
+/// sums a whole line (so the statistics of a parameter in pieces round to the same floats as its
+/// unsharded ones but where the order of the double sums moves a rounding). `sums` starts at zero;
+/// a line is one statistic, so no two lines write one entry. A whole block (`lo` 0, `hi` its size)
+/// sums every line whole, in the same order; a ZeRO-1 run may hold a line in part or not at all
+/// (then 0).
 struct factored_partial_sums {
   const float* g;
-  float* sums;
+  double* sums;
   block_map map;
   std::size_t s, n, gs, gn;
   float eps;
+  std::size_t lo, hi;
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
     const std::size_t first = insert_dim(j, s, n, 0);
+    // The line's elements `first + c s` in `[lo, hi)`: `c` in `[c0, c1)`.
+    const std::size_t c0 = first >= lo ? 0 : (lo - first + s - 1) / s;
+    const std::size_t above = first >= hi ? 0 : (hi - first + s - 1) / s;
+    const std::size_t c1 = above < n ? above : n;
     double acc = 0;
-    for (std::size_t c = 0; c < n; ++c) {
-      const float x = g[first + c * s];
+    for (std::size_t c = c0; c < c1; ++c) {
+      const float x = g[first + c * s - lo];
       acc += static_cast<double>(x * x + eps);
     }
-    sums[drop_dim(map.global(first), gs, gn)] = static_cast<float>(acc);
+    sums[drop_dim(map.global(first), gs, gn)] = acc;
   }
 };
 
-/// `v[j] = beta v[j] + (1 - beta) sums[j] / n`: a statistic from the summed lines of every block.
+/// `v[j] = beta v[j] + (1 - beta) sums[j] / n`: a statistic from the summed lines of every piece,
+/// rounded as `factored_moment` rounds it.
 struct moment_from_sums {
   float* v;
-  const float* sums;
+  const double* sums;
   std::size_t n;
   float beta;
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
-    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(static_cast<double>(sums[j]) / static_cast<double>(n));
+    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(sums[j] / static_cast<double>(n));
   }
 };
 
-/// `factored_scale` of a block: its element `i` reads the statistics of its place in the parameter.
+/// `factored_scale` of a run of a block (`u[i]` is block element `first + i`): each element reads
+/// the statistics of its place in the parameter.
 struct factored_scale_block {
   float* u;
   const float* v_row;
@@ -9346,8 +9368,9 @@ struct factored_scale_block {
   std::size_t s0, n0;  ///< stride and extent of `d0` in the whole parameter
   std::size_t s1, n1;  ///< of `d1` in the whole parameter
   std::size_t s1_row;  ///< of `d1` in `v_row`
+  std::size_t first;   ///< the run's first element in the block
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
-    const std::size_t gi = map.global(i);
+    const std::size_t gi = map.global(first + i);
     const std::size_t r = drop_dim(gi, s0, n0);
     const float row = 1.0f / sqrt_in_kernel(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
     const float col = 1.0f / sqrt_in_kernel(v_col[drop_dim(gi, s1, n1)]);
@@ -9355,13 +9378,15 @@ struct factored_scale_block {
   }
 };
 
-/// The unfactored second moment of a block: `sums[global(i)] = g^2 + eps` (the rest stay zero).
+/// The unfactored second moment of a run of a block (`g[i]` is block element `first + i`):
+/// `sums[global(first + i)] = g^2 + eps` (the rest stay zero).
 struct squares_to_global {
   const float* g;
   float* sums;
   block_map map;
   float eps;
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { sums[map.global(i)] = g[i] * g[i] + eps; }
+  std::size_t first;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { sums[map.global(first + i)] = g[i] * g[i] + eps; }
 };
 
 /// `v = beta v + (1 - beta) sums` over the whole parameter (the summed squares of every block).
@@ -9372,12 +9397,15 @@ struct unfactored_moment {
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const { v[j] = beta * v[j] + (1.0f - beta) * sums[j]; }
 };
 
-/// `u[i] = u[i] / sqrt(v[global(i)])`: the unfactored update of a block.
+/// `u[i] = u[i] / sqrt(v[global(first + i)])`: the unfactored update of a run of a block.
 struct unfactored_scale_block {
   float* u;
   const float* v;
   block_map map;
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { u[i] = u[i] / sqrt_in_kernel(v[map.global(i)]); }
+  std::size_t first;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    u[i] = u[i] / sqrt_in_kernel(v[map.global(first + i)]);
+  }
 };
 
 /// `u[i] *= f`.
@@ -9402,16 +9430,20 @@ struct scale_by_factor {
 /// - otherwise (vectors, small matrices, `factored = false`): `v = beta_t v + (1 - beta_t) g2`,
 ///   `update = g / sqrt(v)`.
 ///
-/// The statistics of a parameter are a function of all its elements, so the transform needs each
-/// parameter in one run (`whole_parameters()`). Its state is per parameter, not per element
-/// (`param_state_size`): factored, `v_row` then `v_col`, `n / n0 + n / n1` floats for a parameter
-/// of `n` elements (a 1024 x 4096 matrix: 5,120 floats where Adam keeps 4,194,304 per moment);
-/// unfactored, `v`, `n` floats. A tensor-parallel parameter (`column_dense`, `row_dense`) is
-/// updated block by block: each device sums its block's lines, the sums are added over the devices
-/// holding the other blocks (`update_run::blocks`, an all-reduce of `n / n0 + n / n1` floats; `n`
-/// unfactored), and every one of them keeps the whole statistics, alike, so the update is the
-/// unsharded one. ZeRO-1 and FSDP, which hand the optimizer pieces of a flat vector, are refused by
-/// the train state.
+/// The statistics of a parameter are a function of all its elements (`whole_parameters()`). Its
+/// state is per parameter, not per element (`param_state_size`): factored, `v_row` then `v_col`,
+/// `n / n0 + n / n1` floats for a parameter of `n` elements (a 1024 x 4096 matrix: 5,120 floats
+/// where Adam keeps 4,194,304 per moment); unfactored, `v`, `n` floats. A parameter the optimizer
+/// sees in pieces is updated piece by piece: a tensor-parallel block (`column_dense`, `row_dense`),
+/// an FSDP shard (a block cut along dimension 0), or a ZeRO-1 device's run of the flat vector,
+/// which may cut the parameter anywhere, mid-row included (`update_run::offset` and `size` within
+/// the block). Each device sums the squares of its piece into the lines' statistics, the sums are
+/// added over the devices holding the other pieces (`update_run::blocks`, an all-reduce of
+/// `n / n0 + n / n1` doubles, `n` floats unfactored, over the parameter's tensor-parallel and fsdp
+/// axes and ZeRO-1's data axes: every device calls it for every parameter, with an empty run where
+/// its ZeRO-1 slice holds none of it), and every one of them keeps the whole statistics, alike, so
+/// the update is the unsharded one: the sums are in double as the unsharded ones, and round to the
+/// same floats but where their other order moves a rounding (unfactored: the same floats).
 /// @code
 /// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
 ///                              meshlib::nn::scale_by_learning_rate(1e-2f));
@@ -9436,18 +9468,22 @@ namespace detail {
 inline std::size_t element_count(std::span<const std::size_t> shape) {
   return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, [](std::size_t a, std::size_t b) { return a * b; });
 }
-/// The refusal of a run that is not a whole parameter (or a device's whole block of it, with
-/// `r.blocks`), for the transform `who`.
+/// Whether run `r` is a piece of a parameter whose other pieces other devices hold (`r.blocks`
+/// split: its statistics are summed over them).
+inline bool run_is_piece(const update_run& r) { return r.blocks != nullptr && r.blocks->split(); }
+/// The refusal of a run that is neither the whole parameter nor a piece with `r.blocks` to sum its
+/// statistics over the devices holding the rest, for the transform `who`.
 inline void require_whole_parameter(const char* who, const update_run& r) {
+  if (run_is_piece(r)) return;
   const std::size_t total = element_count(r.param.shape);
-  const std::size_t whole = r.blocks != nullptr ? element_count(r.blocks->extent()) : total;
-  if (r.offset != 0 || r.size != whole)
+  if (r.offset != 0 || r.size != total)
     throw std::invalid_argument(
         std::string("meshlib::nn: ") + who + ": parameter '" + std::string(r.param.name) + "' (" +
         std::to_string(total) + " elements) reached the optimizer as elements [" + std::to_string(r.offset) + ", " +
         std::to_string(r.offset + r.size) +
-        ") only: its statistics need the whole parameter (or a device's whole tensor-parallel block) in one run; "
-        "use replicated or data_parallel state without ZeRO (zero 0), and no fully_shard");
+        ") only, with no update_run::blocks to sum its statistics over the devices holding the rest: pass the "
+        "whole parameter in one run, or set update_run::blocks (the train state does, under ZeRO-1, fully_shard "
+        "and tensor parallelism)");
 }
 /// The `block_map` of a device's block (`blocks`) of a parameter of global `shape`.
 inline block_map map_of(const param_blocks& blocks, std::span<const std::size_t> shape) {
@@ -9503,7 +9539,7 @@ class scale_by_factored_rms {
     const auto dims = factored_dims(p.shape);
     return dims ? n / p.shape[(*dims)[1]] + n / p.shape[(*dims)[0]] : n;
   }
-  /// True: the statistics need every element of a parameter in one run.
+  /// True: the statistics are over every element of a parameter (summed over its pieces).
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_factored_rms"; }
@@ -9529,8 +9565,8 @@ class scale_by_factored_rms {
 
   /// The `gradient_transform` requirement: transforms the run's updates in place, its statistics
   /// in `r.param_state`.
-  /// @throws std::invalid_argument when the run is not a whole parameter (or block), or has no
-  /// per-parameter state.
+  /// @throws std::invalid_argument when the run is not a whole parameter nor a piece with
+  /// `r.blocks` split, or has no per-parameter state.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_factored_rms (adafactor)", r);
     if (r.param_state == nullptr)
@@ -9538,7 +9574,7 @@ class scale_by_factored_rms {
                                   std::string(r.param.name) + "' has no per-parameter state (update_run::param_state "
                                   "is null); pass param_state_size(param) floats, zero at the start, as the train "
                                   "state does");
-    if (r.blocks != nullptr && r.blocks->split()) return update_block(r);
+    if (detail::run_is_piece(r)) return update_block(r);
     const float beta = decay(r.step);
     const auto dims = factored_dims(r.param.shape);
     if (!dims) {
@@ -9569,22 +9605,25 @@ class scale_by_factored_rms {
   std::size_t min_dim_;
   float eps_;
 
-  // A device's block of a tensor-parallel parameter (see the file comment): the block's sums,
-  // summed over the parameter's blocks, then the statistics of the whole parameter, alike on every
-  // device holding a block, and the block's update read from them.
+  // A piece of a parameter (see the file comment): elements `[r.offset, r.offset + r.size)` of a
+  // device's block (the whole of a tensor-parallel block or an FSDP shard; under ZeRO-1 any run of
+  // the block, empty included). Its sums, summed over the parameter's pieces, then the statistics of the whole
+  // parameter, alike on every device holding a piece, and the run's update read from them.
   void update_block(const update_run& r) const {
     const float beta = decay(r.step);
     const auto shape = r.param.shape;
     const auto extent = r.blocks->extent();
     const detail::block_map map = detail::map_of(*r.blocks, shape);
-    const std::size_t total = detail::element_count(shape);
+    const std::size_t total = detail::element_count(shape), block = detail::element_count(extent);
+    const std::size_t lo = r.offset, hi = r.offset + r.size;
     const auto dims = factored_dims(shape);
     if (!dims) {
       auto sums = ::meshlib::allocate<float, 1>({total}, "meshlib::nn::scale_by_factored_rms");
-      ::meshlib::launch<default_memory_space>(r.size, detail::squares_to_global{r.updates, sums.data(), map, eps_});
+      ::meshlib::launch<default_memory_space>(r.size, detail::squares_to_global{r.updates, sums.data(), map, eps_, lo});
       r.blocks->sum(std::span<float>(sums.data(), total));
       ::meshlib::launch<default_memory_space>(total, detail::unfactored_moment{r.param_state, sums.data(), beta});
-      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale_block{r.updates, r.param_state, map});
+      ::meshlib::launch<default_memory_space>(r.size,
+                                              detail::unfactored_scale_block{r.updates, r.param_state, map, lo});
       return;
     }
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
@@ -9593,16 +9632,16 @@ class scale_by_factored_rms {
     const std::size_t rows = total / n0, cols = total / n1, others = rows / n1;
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
     const std::size_t b0 = extent[d0], b1 = extent[d1];
-    auto sums = ::meshlib::allocate<float, 1>({rows + cols}, "meshlib::nn::scale_by_factored_rms");
-    if (r.size != 0) {
+    auto sums = ::meshlib::allocate<double, 1>({rows + cols}, "meshlib::nn::scale_by_factored_rms");
+    if (r.size != 0) {  // (every line of the block: a run may hold any of them, in part)
       ::meshlib::launch<default_memory_space>(
-          r.size / b0, detail::factored_partial_sums{r.updates, sums.data(), map, detail::stride_of(extent, d0), b0, s0,
-                                                     n0, eps_});
+          block / b0, detail::factored_partial_sums{r.updates, sums.data(), map, detail::stride_of(extent, d0), b0, s0,
+                                                    n0, eps_, lo, hi});
       ::meshlib::launch<default_memory_space>(
-          r.size / b1, detail::factored_partial_sums{r.updates, sums.data() + rows, map, detail::stride_of(extent, d1),
-                                                     b1, s1, n1, eps_});
+          block / b1, detail::factored_partial_sums{r.updates, sums.data() + rows, map, detail::stride_of(extent, d1),
+                                                    b1, s1, n1, eps_, lo, hi});
     }
-    r.blocks->sum(std::span<float>(sums.data(), rows + cols));
+    r.blocks->sum(std::span<double>(sums.data(), rows + cols));
     float* v_row = r.param_state;
     float* v_col = v_row + rows;
     ::meshlib::launch<default_memory_space>(rows, detail::moment_from_sums{v_row, sums.data(), n0, beta});
@@ -9610,7 +9649,7 @@ class scale_by_factored_rms {
     auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
     ::meshlib::launch<default_memory_space>(others, detail::row_mean{v_row, mean.data(), s1_row, n1});
     ::meshlib::launch<default_memory_space>(
-        r.size, detail::factored_scale_block{r.updates, v_row, v_col, mean.data(), map, s0, n0, s1, n1, s1_row});
+        r.size, detail::factored_scale_block{r.updates, v_row, v_col, mean.data(), map, s0, n0, s1, n1, s1_row, lo});
   }
 };
 
@@ -9621,11 +9660,16 @@ namespace meshlib::nn {
 
 namespace detail {
 /// The RMS over the whole parameter of the run's values `x` (its updates or its parameter): the
-/// block's sum of squares, summed over the parameter's blocks when it is split.
+/// run's sum of squares, summed over the parameter's pieces when it is one.
 inline double block_rms(const update_run& r, const float* x) {
-  double sq[1] = {block_sum_of_squares(x, r.size)};
-  if (r.blocks != nullptr && r.blocks->split()) r.blocks->sum(std::span<double>(sq));
-  return std::sqrt(sq[0] / static_cast<double>(element_count(r.param.shape)));
+  double sq = block_sum_of_squares(x, r.size);
+  if (run_is_piece(r)) {  // (the sum is over the running device's memory)
+    auto d = ::meshlib::allocate<double, 1>({1}, "meshlib::nn::block_rms");
+    ::meshlib::copy_from_host<default_memory_space>(d.data(), &sq, 1);
+    r.blocks->sum(std::span<double>(d.data(), 1));
+    ::meshlib::copy_to_host<default_memory_space>(&sq, d.data(), 1);
+  }
+  return std::sqrt(sq / static_cast<double>(element_count(r.param.shape)));
 }
 }  // namespace detail
 
@@ -9641,14 +9685,15 @@ class clip_by_block_rms {
   }
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
-  /// True: the RMS is over every element of a parameter.
+  /// True: the RMS is over every element of a parameter (summed over its pieces).
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "clip_by_block_rms(" + detail::number_text(threshold_) + ")"; }
   /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "clip_by_block_rms"; }
   /// The `gradient_transform` requirement: transforms the run's updates in place.
-  /// @throws std::invalid_argument when the run is not a whole parameter.
+  /// @throws std::invalid_argument when the run is not a whole parameter nor a piece with
+  /// `r.blocks` split.
   void update(const update_run& r) const {
     detail::require_whole_parameter("clip_by_block_rms (adafactor)", r);
     const double rms = detail::block_rms(r, r.updates);
@@ -9667,7 +9712,7 @@ class scale_by_param_block_rms {
   explicit scale_by_param_block_rms(float min_scale = 1e-3f) : min_scale_(min_scale) {}
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
-  /// True: the RMS is over every element of a parameter.
+  /// True: the RMS is over every element of a parameter (summed over its pieces).
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_param_block_rms"; }
@@ -9675,7 +9720,8 @@ class scale_by_param_block_rms {
   [[nodiscard]] std::string kind() const { return "scale_by_param_block_rms"; }
   /// The `gradient_transform` requirement: transforms the run's updates in place (the parameter's
   /// values before this step's update: `update_run::params`).
-  /// @throws std::invalid_argument when the run is not a whole parameter.
+  /// @throws std::invalid_argument when the run is not a whole parameter nor a piece with
+  /// `r.blocks` split.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_param_block_rms (adafactor)", r);
     const double rms = detail::block_rms(r, r.params);
@@ -9750,7 +9796,7 @@ class chain_transform {
     for_each([&](const auto& t) { n += detail::param_state_size_of(t, p); });
     return n;
   }
-  /// Whether any transform needs each parameter whole in one run (`whole_parameters_of`).
+  /// Whether any transform reads statistics of whole parameters (`whole_parameters_of`).
   [[nodiscard]] bool whole_parameters() const {
     bool any = false;
     for_each([&](const auto& t) { any = any || detail::whole_parameters_of(t); });
@@ -10026,7 +10072,7 @@ class masked_transform {
   }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
-  /// Whether `inner` needs each parameter whole in one run (`adafactor`).
+  /// Whether `inner` reads statistics of whole parameters (`adafactor`).
   [[nodiscard]] bool whole_parameters() const { return detail::whole_parameters_of(inner_); }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "masked(" + detail::name_of(inner_) + ")"; }
@@ -10288,8 +10334,10 @@ class optimizer {
   [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
   /// Whether stage `k` reads the global norm of the updates entering it.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
-  /// Whether a transform in it needs each parameter whole in one run (`adafactor`): the train state
-  /// then refuses ZeRO-1 and FSDP (tensor-parallel blocks it passes with `update_run::blocks`).
+  /// Whether a transform in it reads statistics of whole parameters (`adafactor`): the train state
+  /// then passes where each run lies and the sum over the parameter's other pieces
+  /// (`update_run::blocks`: tensor-parallel blocks, FSDP shards, ZeRO-1 runs), and under ZeRO-1 a
+  /// run of every parameter on every device, empty where its slice holds none.
   [[nodiscard]] bool whole_parameters() const { return impl_->whole_parameters(); }
   /// Floats of per-parameter state the transforms keep for `p` (`adafactor`'s factored second
   /// moment), beside the `slots()` per element.
@@ -10364,8 +10412,8 @@ struct adafactor_options {
 /// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
 /// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
 /// scaled by it). Its second moment is per parameter (rows + cols floats for a factored
-/// matrix). Runs replicated, data-parallel and on tensor-parallel parameters; ZeRO-1 and FSDP are
-/// refused (see nn/optim/factored_rms.hpp).
+/// matrix). Runs replicated, data-parallel (with ZeRO-1 or not), on FSDP shards and on
+/// tensor-parallel parameters (see nn/optim/factored_rms.hpp).
 inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
   optimizer tx = scale_by_factored_rms(o.factored, o.decay_rate, o.decay_offset, o.min_dim_size_to_factor, o.eps);
   if (o.clipping_threshold) tx = chain(std::move(tx), clip_by_block_rms(*o.clipping_threshold));
@@ -10470,7 +10518,7 @@ class multi_transform_t {
   }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
-  /// Whether a group's transform needs each parameter whole in one run (`adafactor`).
+  /// Whether a group's transform reads statistics of whole parameters (`adafactor`).
   [[nodiscard]] bool whole_parameters() const {
     return std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g.second.whole_parameters(); });
   }
@@ -14372,7 +14420,11 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const Policy& p, 
 /// @brief `detail::optimizer_step`: what one device does with its synchronised gradients, whatever
 /// the parallelism: the global gradient norm (each device sums its share of every parameter, one
 /// multi-tensor reduction, then one all-reduce over the mesh) and the optimizer's chain, stage after
-/// stage, the last stage updating and applying every run at once (one multi-tensor kernel). The
+/// stage, the last stage updating and applying every run at once (one multi-tensor kernel). An
+/// optimizer that reads whole parameters (`adafactor`) sums its statistics over the devices holding
+/// a parameter's other pieces (`mesh_param_blocks`, nn/train/param_blocks.hpp): under ZeRO-1 each
+/// device then gets a run of every parameter, empty where its slice holds none, so that every device
+/// of the data axes calls those sums in the same order. The
 /// data-parallel policy's gradient paths (nn/parallel/data_parallel.hpp) hand it their runs; the
 /// train state holds one, with the per-device buffers that keep a step free of allocations after
 /// its first.
@@ -14385,14 +14437,18 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const Policy& p, 
 // begin meshlib/nn/train/param_blocks.hpp
 /// @file
 /// @brief `detail::mesh_param_blocks`: the train state's `param_blocks` (nn/optim/transform.hpp),
-/// where a device's block of a parameter lies and the sum over the devices holding its other blocks,
+/// where a device's block of a parameter lies and the sum over the devices holding its other pieces,
 /// for the transforms whose statistics are over a whole parameter (Adafactor's). A parameter's
-/// blocks differ over its sharded (tensor-parallel) axes, a run-time mask; the sum is the public
-/// donated `psum` over those axes, whose axes are compile-time: the mask is matched against each
-/// subset of the axes parameters may be sharded over, so only those are instantiated.
+/// blocks differ over its sharded axes, a run-time mask: its tensor-parallel axes and, under
+/// `fully_shard`, the fsdp axis (a shard is a block of the parameter cut along dimension 0); under
+/// ZeRO-1 the devices of the data axes also each update a run of the same block (their slices of
+/// the flat vector may cut it anywhere), so the sum is over those axes too (`cut`). The sum is the
+/// public donated `psum` over those axes, whose axes are compile-time: the mask is matched against
+/// each subset of the axes parameters may be sharded over, with or without the cut axes, so only
+/// those are instantiated.
 /// @code
-/// // inside train_state::step_optimizer, for parameter i on device dev:
-/// // detail::mesh_param_blocks<Mesh, model_axes> b(mesh, dev, params[i]);  run.blocks = &b;
+/// // inside optimizer_step::run, for parameter i on device dev (except: ZeRO-1's data axes, or 0):
+/// // detail::mesh_param_blocks<Mesh, model_axes, data_axes> b(mesh, dev, params[i], except);  run.blocks = &b;
 /// @endcode
 
 #include <cstddef>
@@ -14410,32 +14466,38 @@ void sum_in_place(const Mesh& mesh, std::size_t dev, V* x, std::size_t n) {
   (void)psum_over<Axes>(wrap1<vec_t>(x, n, mesh, dev));
 }
 
-/// `sum_in_place<m>` for the run-time mask `m`, one of the non-empty subsets of `Candidates`.
-template <axis_mask Candidates, class Space, class Mesh, class V, std::size_t... M>
+/// `sum_in_place<m>` for the run-time mask `m`: a non-empty subset of `Candidates`, or such a
+/// subset (or none) with all of `Cut`.
+template <axis_mask Candidates, axis_mask Cut, class Space, class Mesh, class V, std::size_t... M>
 void sum_in_place_over(axis_mask m, const Mesh& mesh, std::size_t dev, V* x, std::size_t n,
                        std::index_sequence<M...>) {
   const auto one = [&]<axis_mask A>() {
-    if constexpr (A != 0 && (A & ~Candidates) == 0)
+    constexpr bool candidates_only = (A & ~Candidates) == 0;
+    constexpr bool with_cut = Cut != 0 && (A & Cut) == Cut && (A & ~Cut & ~Candidates) == 0;
+    if constexpr (A != 0 && (candidates_only || with_cut))
       if (m == A) sum_in_place<A, Space>(mesh, dev, x, n);
   };
   (one.template operator()<static_cast<axis_mask>(M)>(), ...);
 }
 
-/// See the file comment. `Candidates`: the axes a parameter may be sharded over (the model axes).
-template <mesh_type Mesh, axis_mask Candidates>
+/// See the file comment. `Candidates`: the axes a parameter may be sharded over (the model axes,
+/// and the fsdp axis); `Cut`: the axes ZeRO-1 cuts a block's runs over (the data axes).
+template <mesh_type Mesh, axis_mask Candidates, axis_mask Cut = 0>
 class mesh_param_blocks final : public param_blocks {
  public:
-  /// Device `dev`'s block of `p` (of element type `T`: the layout is all that is read).
+  /// Device `dev`'s block of `p` (of element type `T`: the layout is all that is read); `cut`: the
+  /// axes over which devices holding this same block each update a run of it (ZeRO-1: `Cut`;
+  /// else 0).
   template <class T>
-  mesh_param_blocks(const Mesh& mesh, std::size_t dev, const param_ref<T>& p)
-      : mesh_(&mesh), dev_(dev), axes_(p.sharded_axes & Candidates), offset_(p.layout->offset(dev)),
+  mesh_param_blocks(const Mesh& mesh, std::size_t dev, const param_ref<T>& p, axis_mask cut = 0)
+      : mesh_(&mesh), dev_(dev), axes_((p.sharded_axes & Candidates) | (cut & Cut)), offset_(p.layout->offset(dev)),
         extent_(p.layout->extent(dev)) {
     std::size_t block = 1, total = 1;
     for (std::size_t d = 0; d < p.shape.size(); ++d) {
       block *= extent_[d];
       total *= p.shape[d];
     }
-    split_ = block != total;
+    split_ = block != total || mesh.axes_size(cut & Cut) > 1;
   }
   /// See `param_blocks`.
   [[nodiscard]] std::span<const std::size_t> offset() const override { return offset_; }
@@ -14445,23 +14507,19 @@ class mesh_param_blocks final : public param_blocks {
   [[nodiscard]] bool split() const override { return split_; }
   /// See `param_blocks`: `x` in the running device's memory.
   void sum(std::span<float> x) const override {
-    if (split_) sum_in_place_over<Candidates, default_memory_space>(axes_, *mesh_, dev_, x.data(), x.size(), masks());
+    if (split_)
+      sum_in_place_over<Candidates, Cut, default_memory_space>(axes_, *mesh_, dev_, x.data(), x.size(), masks());
   }
-  /// See `param_blocks`: `x` on the host (through a device block where the device cannot read it).
+  /// See `param_blocks`: `x` in the running device's memory.
   void sum(std::span<double> x) const override {
-    if (!split_) return;
-    if constexpr (host_accessible_v<default_memory_space>) {
-      sum_in_place_over<Candidates, Kokkos::HostSpace>(axes_, *mesh_, dev_, x.data(), x.size(), masks());
-    } else {
-      auto d = ::meshlib::allocate<double, 1>({x.size()}, "meshlib::nn::param_blocks");
-      ::meshlib::copy_from_host<default_memory_space>(d.data(), x.data(), x.size());
-      sum_in_place_over<Candidates, default_memory_space>(axes_, *mesh_, dev_, d.data(), x.size(), masks());
-      ::meshlib::copy_to_host<default_memory_space>(x.data(), d.data(), x.size());
-    }
+    if (split_)
+      sum_in_place_over<Candidates, Cut, default_memory_space>(axes_, *mesh_, dev_, x.data(), x.size(), masks());
   }
 
  private:
-  static constexpr auto masks() { return std::make_index_sequence<static_cast<std::size_t>(Candidates) + 1>{}; }
+  static constexpr auto masks() {
+    return std::make_index_sequence<static_cast<std::size_t>(Candidates | Cut) + 1>{};
+  }
 
   const Mesh* mesh_;
   std::size_t dev_;
@@ -14533,13 +14591,14 @@ struct step_metrics {
 namespace meshlib::nn::detail {
 
 /// The optimizer's step on each device of a `Mesh` whose parameters may be sharded over
-/// `ModelAxes` (tensor parallelism: what an optimizer reading whole parameters learns of a block).
-template <class Mesh, axis_mask ModelAxes>
+/// `ShardAxes` (tensor parallelism, FSDP: what an optimizer reading whole parameters learns of a
+/// block) and whose runs ZeRO-1 may cut over `CutAxes` (the data axes).
+template <class Mesh, axis_mask ShardAxes, axis_mask CutAxes = 0>
 class optimizer_step {
  public:
   using T = float;
   /// Where a device's block of a parameter lies (nn/train/param_blocks.hpp).
-  using blocks_type = mesh_param_blocks<Mesh, ModelAxes>;
+  using blocks_type = mesh_param_blocks<Mesh, ShardAxes, CutAxes>;
 
   explicit optimizer_step(std::size_t devices)
       : squares_(devices),
@@ -14551,7 +14610,8 @@ class optimizer_step {
         batch_params_(devices),
         batch_blocks_(devices),
         update_words_(devices),
-        update_tables_(devices) {}
+        update_tables_(devices),
+        no_slots_(devices) {}
 
   /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
@@ -14583,25 +14643,35 @@ class optimizer_step {
   /// `master(i)` is parameter `i`'s float master block on `dev`, `param_state(i)` its
   /// per-parameter optimizer state there (or null); `norm`: the gradient's global norm; `except`:
   /// the axes over which a run's copies are not all alike (ZeRO-1's data axes), as `share_of`
-  /// takes them for a later stage's norm.
+  /// takes them for a later stage's norm, and over which the runs of one block are cut.
   template <class Master, class ParamState, class ForRuns>
   void run(const Mesh& mesh, const optimizer& opt, const std::vector<param_ref<T>>& params, std::size_t step,
            const Master& master, const ParamState& param_state, std::size_t dev, double norm, axis_mask except,
-           ForRuns&& for_runs) {
+           ForRuns&& given) {
+    // An optimizer that reads whole parameters: on runs ZeRO-1 cuts, a run of every parameter; none
+    // of a parameter held by no device it would sum with (`held_by_none`).
+    const auto for_runs = [&](auto&& f) {
+      if (!opt.whole_parameters()) return given(f);
+      const auto held = [&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+        if (!held_by_none(params[i], dev)) f(i, off, u, len, slot);
+      };
+      if (except != 0) return for_every_param(opt, params.size(), dev, given, held);
+      given(held);
+    };
     for (std::size_t k = 0; k < opt.stages(); ++k) {
       double stage_norm = norm;
       if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
         std::vector<float_run>& runs = norm_runs(dev);
-        for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
+        given([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
           runs.push_back(share_of(mesh, dev, params[i], u, len, except));
         });
         stage_norm = global_norm(mesh, dev, runs);
       }
       if (k + 1 == opt.stages())
-        return apply_last_stage(mesh, opt, params, step, master, param_state, dev, k, stage_norm, for_runs);
+        return apply_last_stage(mesh, opt, params, step, master, param_state, dev, k, stage_norm, except, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
-        const blocks_type blocks(mesh, dev, p);
+        const blocks_type blocks(mesh, dev, p, except);
         opt.update(update_run{u, master(i) + off, slot, len, off, step, k, stage_norm,
                               param_info{p.name, p.shape, p.decay}, param_state(i), &blocks});
       });
@@ -14609,6 +14679,29 @@ class optimizer_step {
   }
 
  private:
+  /// Whether device `dev` holds no block of `p`, nor does any device it would sum `p`'s statistics
+  /// with: `p` is split over an axis that is not summed over (a pipeline's: only its stage's
+  /// devices hold it), and the devices of a sum differ over summed axes only, so they all hold it or
+  /// none do. (A device with an empty block of a parameter split over summed axes still sums.)
+  [[nodiscard]] static bool held_by_none(const param_ref<T>& p, std::size_t dev) {
+    return p.count[dev] == 0 && (p.sharded_axes & ~(ShardAxes | CutAxes)) != 0;
+  }
+  /// `for_runs(f)`, and `f(i, 0, nullptr, 0, no slots)` for each parameter `i` of `n` that it gives
+  /// no run of, in parameter order (`for_runs` gives at most one run per parameter, in order, as
+  /// ZeRO-1's slice of the flat vector holds them).
+  template <class ForRuns, class F>
+  void for_every_param(const optimizer& opt, std::size_t n, std::size_t dev, ForRuns& for_runs, F& f) const {
+    std::vector<float*>& none = no_slots_.at(dev);
+    none.assign(opt.slots(), nullptr);
+    const std::span<float* const> no_slots(none);
+    std::size_t next = 0;
+    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+      for (; next < i; ++next) f(next, std::size_t{0}, static_cast<T*>(nullptr), std::size_t{0}, no_slots);
+      f(i, off, u, len, slot);
+      next = i + 1;
+    });
+    for (; next < n; ++next) f(next, std::size_t{0}, static_cast<T*>(nullptr), std::size_t{0}, no_slots);
+  }
   /// The sum of squares of device `dev`'s `runs` (shares of a global norm, in parameter order): one
   /// multi-tensor reduction, two kernels and one read-back whatever the number of runs (issue 38).
   double sum_of_squares(std::size_t dev, const std::vector<float_run>& runs) const {
@@ -14623,7 +14716,7 @@ class optimizer_step {
   template <class Master, class ParamState, class ForRuns>
   void apply_last_stage(const Mesh& mesh, const optimizer& opt, const std::vector<param_ref<T>>& params, std::size_t step,
                         const Master& master, const ParamState& param_state, std::size_t dev, std::size_t k,
-                        double norm, ForRuns& for_runs) {
+                        double norm, axis_mask except, const ForRuns& for_runs) {
     auto& runs = batch_runs_.at(dev);
     auto& slots = batch_slots_.at(dev);
     auto& out = batch_params_.at(dev);
@@ -14637,7 +14730,7 @@ class optimizer_step {
       const auto& p = params[i];
       runs.push_back(update_run{u, master(i) + off, {}, len, off, step, k, norm, param_info{p.name, p.shape, p.decay},
                                 param_state(i)});
-      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p);
+      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p, except);
       slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
       out.push_back(master(i) + off);
     });
@@ -14663,6 +14756,8 @@ class optimizer_step {
   std::vector<std::vector<blocks_type>> batch_blocks_;
   std::vector<std::vector<std::size_t>> update_words_;
   run_table_buffers update_tables_;
+  /// The state slots of an empty run (`for_every_param`), per device.
+  mutable std::vector<std::vector<float*>> no_slots_;
 };
 
 }  // namespace meshlib::nn::detail
@@ -14756,9 +14851,10 @@ class train_state {
   /// The axes parameters may be sharded over by their layers (tensor parallelism): every axis but
   /// the data, fsdp and pipeline axes.
   static constexpr axis_mask model_axes = Mesh::all_axes & ~data_axes & ~fsdp_axes & ~pipeline_axes;
-  /// What an optimizer that reads whole parameters learns of a device's block of one
-  /// (nn/train/param_blocks.hpp).
-  using blocks_type = detail::mesh_param_blocks<Mesh, model_axes>;
+  /// What an optimizer that reads whole parameters learns of a device's piece of one
+  /// (nn/train/param_blocks.hpp): a block over the model axes and the fsdp axis, a run of it cut
+  /// over the data axes (ZeRO-1).
+  using blocks_type = detail::mesh_param_blocks<Mesh, model_axes | fsdp_axes, data_axes>;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -14779,9 +14875,9 @@ class train_state {
   /// plain data parallelism over the data axes (`data_parallel<Data>{}`), nothing else.
   /// `local_devices`: this process's devices (empty: all).
   /// @throws sharding_error when `opts.accumulation` is 0, for an optimizer that reads whole
-  /// parameters (`adafactor`) with a tensor-parallel parameter, and for a mesh whose pipeline axis
-  /// `Pipe` or second batch axis `Fsdp` has more than one device (an axis is pipelined, fully
-  /// sharded or split by the batch by a policy, not by its name).
+  /// parameters (`adafactor`) with a parameter its layer shards over a data or pipeline axis, and
+  /// for a mesh whose pipeline axis `Pipe` or second batch axis `Fsdp` has more than one device (an
+  /// axis is pipelined, fully sharded or split by the batch by a policy, not by its name).
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
       : train_state(m, std::move(net), o, opts, k, local_devices, policy_set{}) {}
@@ -14794,8 +14890,7 @@ class train_state {
   /// @throws sharding_error as the constructor above (a pipeline policy over the pipeline axis
   /// lifts the refusal there), when `data_parallel::zero` is not 0 or 1, for ZeRO-1 beside
   /// `fully_shard` or with overlap, for overlap where no layer hook would start the buckets (a model
-  /// that is not a `sequential`, a pipeline over more than one device), and for an optimizer that
-  /// reads whole parameters with ZeRO-1 or `fully_shard`.
+  /// that is not a `sequential`, a pipeline over more than one device).
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
               std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
@@ -15100,20 +15195,17 @@ class train_state {
                              "overlap; drop .overlap (or the pipeline)");
     }
   }
-  // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
-  // pieces of one: refused here, before any step, with the fix.
+  // An optimizer that reads whole parameters (`adafactor`) on a parameter its layer splits over an
+  // axis that is not a model axis: refused here, before any step, with the fix. Tensor-parallel
+  // blocks, FSDP's shards and ZeRO-1's runs are fine: the transforms sum their statistics over a
+  // parameter's pieces (nn/train/param_blocks.hpp); a layer's block over a data axis, whose devices
+  // also split the batch, is not one of those.
   void refuse_parameter_shards() const {
     const auto bad = [&](const std::string& why, const std::string& fix) {
       return sharding_error("meshlib::nn: train_state: the optimizer " + opt.name() +
-                            " reads whole parameters (its statistics are per parameter, summed over a "
-                            "tensor-parallel parameter's blocks), but " + why + "; " + fix);
+                            " reads whole parameters (its statistics are per parameter, summed over the pieces of "
+                            "a tensor-parallel, FSDP or ZeRO-1 parameter), but " + why + "; " + fix);
     };
-    if (policies_.data.zero == 1)
-      throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
-                "use data_parallel without ZeRO (zero 0)");
-    if (policies_.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
-    // Tensor-parallel blocks are fine (the transforms sum their statistics over a parameter's
-    // blocks, nn/train/param_blocks.hpp); a parameter split over another axis is not.
     for (const auto& p : params)
       if ((p.sharded_axes & ~model_axes) != 0)
         throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " over a data or pipeline axis",
@@ -15186,7 +15278,7 @@ class train_state {
   detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
   detail::device_buffers<T> output_grad_;
   /// The global gradient norm and the optimizer's update, with their per-device buffers.
-  detail::optimizer_step<Mesh, model_axes> optimizer_step_;
+  detail::optimizer_step<Mesh, model_axes | fsdp_axes, data_axes> optimizer_step_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

@@ -5,9 +5,9 @@
 /// erased, as the train state keeps it; and the named chains `sgd`, `adam`, `adamw` and `lion`
 /// and `adafactor` (optax's). Every transform updates one element from that element's gradient and state only
 /// (clipping aside, which reads one norm over the mesh; Adafactor aside, which reads whole
-/// parameters, summing over a tensor-parallel parameter's blocks, and so refuses ZeRO-1 and FSDP
-/// pieces), which is what lets the same chain run on a replicated state or on a ZeRO-1 / FSDP
-/// shard of it with identical numbers.
+/// parameters, summing its statistics over the pieces of a tensor-parallel, FSDP or ZeRO-1
+/// parameter), which is what lets the same chain run on a replicated state or on a ZeRO-1 / FSDP
+/// shard of it with identical numbers (Adafactor's: up to the order of those sums).
 /// @code
 /// namespace nn = meshlib::nn;
 /// nn::optimizer opt = nn::adamw(nn::warmup_cosine(1e-3f, 100, 2000), 1e-4f);
@@ -106,8 +106,10 @@ class optimizer {
   [[nodiscard]] std::size_t stages() const { return impl_->stages(); }
   /// Whether stage `k` reads the global norm of the updates entering it.
   [[nodiscard]] bool reads_global_norm(std::size_t k) const { return impl_->reads_global_norm(k); }
-  /// Whether a transform in it needs each parameter whole in one run (`adafactor`): the train state
-  /// then refuses ZeRO-1 and FSDP (tensor-parallel blocks it passes with `update_run::blocks`).
+  /// Whether a transform in it reads statistics of whole parameters (`adafactor`): the train state
+  /// then passes where each run lies and the sum over the parameter's other pieces
+  /// (`update_run::blocks`: tensor-parallel blocks, FSDP shards, ZeRO-1 runs), and under ZeRO-1 a
+  /// run of every parameter on every device, empty where its slice holds none.
   [[nodiscard]] bool whole_parameters() const { return impl_->whole_parameters(); }
   /// Floats of per-parameter state the transforms keep for `p` (`adafactor`'s factored second
   /// moment), beside the `slots()` per element.
@@ -182,8 +184,8 @@ struct adafactor_options {
 /// trace(momentum)), add_decayed_weights(weight_decay_rate, mask), scale(-1))`, each optional piece
 /// present as `o` asks. As in optax the weight decay comes after the learning rate (it is not
 /// scaled by it). Its second moment is per parameter (rows + cols floats for a factored
-/// matrix). Runs replicated, data-parallel and on tensor-parallel parameters; ZeRO-1 and FSDP are
-/// refused (see nn/optim/factored_rms.hpp).
+/// matrix). Runs replicated, data-parallel (with ZeRO-1 or not), on FSDP shards and on
+/// tensor-parallel parameters (see nn/optim/factored_rms.hpp).
 inline optimizer adafactor(schedule lr, adafactor_options o = {}) {
   optimizer tx = scale_by_factored_rms(o.factored, o.decay_rate, o.decay_offset, o.min_dim_size_to_factor, o.eps);
   if (o.clipping_threshold) tx = chain(std::move(tx), clip_by_block_rms(*o.clipping_threshold));

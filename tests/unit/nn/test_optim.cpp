@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -703,15 +704,16 @@ TEST_CASE("scale_by_factored_rms: factored and unfactored, against plain loops",
   CHECK(meshlib_test::message_of<std::invalid_argument>([] { (void)nn::scale_by_factored_rms(true, 0.8f, 0, 1); }) ==
         "meshlib::nn: scale_by_factored_rms: min_dim_size_to_factor is 1; it must be at least 2 (pass factored = "
         "false to factor nothing)");
-  // A piece of a parameter is refused (the train state refuses such states before a step).
+  // A piece of a parameter without update_run::blocks to sum over the other pieces is refused
+  // (the train state passes them: see the ZeRO-1 and FSDP tests below).
   std::vector<float> half(12, 1.0f);
   CHECK(meshlib_test::message_of<std::invalid_argument>([&] {
           tx.update(nn::update_run{half.data(), p.data(), {}, 12, 12, 0, 0, 0, nn::param_info{"fc.w", shape, true},
                                    slot.data()});
         }) == "meshlib::nn: scale_by_factored_rms (adafactor): parameter 'fc.w' (24 elements) reached the optimizer "
-              "as elements [12, 24) only: its statistics need the whole parameter (or a device's whole "
-              "tensor-parallel block) in one run; use replicated or data_parallel state without ZeRO (zero 0), and "
-              "no fully_shard");
+              "as elements [12, 24) only, with no update_run::blocks to sum its statistics over the devices holding "
+              "the rest: pass the whole parameter in one run, or set update_run::blocks (the train state does, under "
+              "ZeRO-1, fully_shard and tensor parallelism)");
   // A run without its per-parameter state is refused.
   CHECK(meshlib_test::message_of<std::invalid_argument>([&] {
           tx.update(nn::update_run{u.data(), p.data(), {}, 24, 0, 0, 0, 0, nn::param_info{"fc.w", shape, true}});
@@ -786,7 +788,7 @@ TEST_CASE("adafactor: optax's chain, a few steps against plain loops", "[nn][opt
   }
 }
 
-TEST_CASE("adafactor trains alike data- and tensor-parallel, refuses ZeRO-1 and FSDP", "[nn][optim][adafactor]") {
+TEST_CASE("adafactor trains alike data- and tensor-parallel", "[nn][optim][adafactor]") {
   const nn::optimizer opt = nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f});
   const auto ref = run(mesh_t{1, 1}, opt, {});
   CHECK(ref.back() < 0.9 * ref.front());  // it learns
@@ -818,12 +820,10 @@ TEST_CASE("adafactor trains alike data- and tensor-parallel, refuses ZeRO-1 and 
   CHECK(run(mesh_t{1, 1}, nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f, .factored = false}),
             {}) != ref);
   const std::string head = "meshlib::nn: train_state: the optimizer adafactor(momentum 0.5) reads whole parameters "
-                           "(its statistics are per parameter, summed over a tensor-parallel parameter's blocks), "
-                           "but ";
-  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] { (void)run(mesh_t{2, 1}, opt, {}, 6, nn::data_parallel<"data">{.zero = 1}); }) ==
-        head + "ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes; use data_parallel "
-               "without ZeRO (zero 0)");
-  // A parameter sharded over the data axis is not a tensor-parallel block: refused.
+                           "(its statistics are per parameter, summed over the pieces of a tensor-parallel, FSDP or "
+                           "ZeRO-1 parameter), but ";
+  // (ZeRO-1 and FSDP: the tests "adafactor: ZeRO-1" and "adafactor: FSDP" below.) A parameter its
+  // layer shards over the data axis is none of those pieces: refused.
   CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
           const mesh_t m{2, 1};
           const nn::rng_key key{11};
@@ -839,17 +839,11 @@ TEST_CASE("adafactor trains alike data- and tensor-parallel, refuses ZeRO-1 and 
   const nn::optimizer groups = nn::multi_transform({{"a", nn::adam(1e-3f)}, {"b", opt}}, [](std::string_view) { return "a"; });
   CHECK(groups.whole_parameters());
   CHECK(!nn::optimizer(nn::multi_transform({{"a", nn::adam(1e-3f)}}, [](std::string_view) { return "a"; })).whole_parameters());
-  CHECK_THROWS_AS(run(mesh_t{2, 1}, groups, {}, 6, nn::data_parallel<"data">{.zero = 1}), meshlib::sharding_error);
-  using fsdp_mesh_t = meshlib::mesh<meshlib::axis<"fsdp">, meshlib::axis<"model">>;
-  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
-          const fsdp_mesh_t m{2, 1};
-          const nn::rng_key key{11};
-          nn::train_state state(m,
-                                nn::sequential(nn::dense<float, fsdp_mesh_t>(m, "fc1", features, hidden, key),
-                                               nn::relu<float>(m),
-                                               nn::dense<float, fsdp_mesh_t>(m, "fc3", hidden, classes, key)),
-                                opt, nn::fully_shard<"fsdp">{});
-        }) == head + "fully_shard shards the parameters; train without fully_shard");
+  // A group of them under ZeRO-1 (fc1 and fc2 Adafactor, fc3 Adam): as the replicated state.
+  const nn::optimizer mixed = nn::multi_transform(
+      {{"a", nn::adam(1e-3f)}, {"b", opt}}, [](std::string_view n) { return n.starts_with("fc3") ? "a" : "b"; });
+  require_close(run(mesh_t{4, 1}, mixed, {}, 6, nn::data_parallel<"data">{.zero = 1}), run(mesh_t{4, 1}, mixed, {}),
+                1e-6);
 }
 
 TEST_CASE("adafactor's optimizer state: O(rows + cols) per factored matrix", "[nn][optim][adafactor]") {
@@ -941,6 +935,224 @@ TEST_CASE("checkpoints hold adafactor's state", "[nn][optim][adafactor][checkpoi
         "meshlib::nn: restore_checkpoint: '" + (dir / "index").string() + "': parameter 'fc1.w' has 28 floats of "
         "per-parameter optimizer state in the checkpoint, the train state's optimizer adafactor(momentum 0.5) keeps "
         "192 (factored or not, min_dim_size_to_factor): restore with the optimizer options it was saved with");
+  fs::remove_all(dir);
+}
+
+namespace {
+
+/// Every parameter of `state` as a whole host array (its global row-major elements), put together
+/// from each device's block where the layout says it lies: replicated, tensor-parallel, ZeRO-1 or
+/// FSDP shards alike. Copies of one element on several devices must be the same bits.
+template <class State>
+std::vector<std::vector<float>> whole_params(State& state) {
+  std::vector<std::vector<float>> out;
+  std::vector<float> h;
+  for (const auto& p : state.params) {
+    std::vector<float> w(nn::detail::element_count(p.shape));
+    std::vector<bool> seen(w.size(), false);
+    for (std::size_t dev : state.local_devices()) {
+      h.resize(p.count[dev]);
+      meshlib::copy_to_host<meshlib::default_memory_space>(h.data(), p.value[dev], h.size());
+      nn::detail::for_each_global_run(p, dev, 0, h.size(), [&](std::size_t k, std::size_t g, std::size_t n) {
+        for (std::size_t j = 0; j < n; ++j) {
+          if (seen[g + j]) REQUIRE(std::memcmp(&w[g + j], &h[k + j], sizeof(float)) == 0);
+          w[g + j] = h[k + j];
+          seen[g + j] = true;
+        }
+      });
+    }
+    REQUIRE(std::find(seen.begin(), seen.end(), false) == seen.end());
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
+/// The largest relative difference of `got` from `want` (elementwise, each parameter), with
+/// `floor` as the smallest magnitude it is relative to.
+double max_rel_diff(const std::vector<std::vector<float>>& got, const std::vector<std::vector<float>>& want,
+                    double floor = 1e-3) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    REQUIRE(got[i].size() == want[i].size());
+    for (std::size_t j = 0; j < got[i].size(); ++j)
+      worst = std::max(worst, std::abs(double(got[i][j]) - double(want[i][j])) /
+                                  std::max(floor, std::abs(double(want[i][j]))));
+  }
+  return worst;
+}
+
+/// The optimizers whose statistics are over whole parameters: Adafactor factored (with momentum:
+/// a state slot ZeRO-1 slices beside the whole statistics), unfactored, and the block-RMS
+/// transforms after Adam (the clip binds: Adam's updates have RMS about 1).
+std::vector<nn::optimizer> whole_param_optimizers() {
+  return {nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f}),
+          nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .clipping_threshold = 0.5f, .factored = false}),
+          nn::chain(nn::scale_by_adam(), nn::clip_by_block_rms(0.25f), nn::scale_by_param_block_rms(),
+                    nn::scale(-5e-2f))};
+}
+
+/// Whether a ZeRO-1 slice of `state` cuts a factored-size matrix (both dimensions at least 8) in
+/// the middle of a row: a run of it that starts or ends off a row's first element.
+template <class State>
+bool cuts_mid_row(State& state) {
+  bool cut = false;
+  for (std::size_t dev : state.local_devices())
+    state.for_each_state_run(dev, [&](std::size_t i, std::size_t off, std::size_t len, std::span<float* const>) {
+      const auto& p = state.params[i];
+      if (p.shape.size() == 2 && p.shape[0] >= 8 && p.shape[1] >= 8 && p.count[dev] == p.shape[0] * p.shape[1] &&
+          (off % p.shape[1] != 0 || (off + len) % p.shape[1] != 0))
+        cut = true;
+    });
+  return cut;
+}
+
+/// Parameter `i`'s per-parameter state on every device of `state` that holds it: alike bit for bit
+/// (the sums over the pieces give every device the same numbers); returns device 0's.
+template <class State>
+std::vector<float> alike_param_state(State& state, std::size_t i) {
+  const std::size_t n = state.param_state_size(i);
+  std::vector<float> first;
+  for (std::size_t dev : state.local_devices()) {
+    const float* v = state.param_state(i, dev);
+    if (v == nullptr) continue;
+    std::vector<float> got(n);
+    meshlib::copy_to_host<meshlib::default_memory_space>(got.data(), v, n);
+    if (first.empty()) first = got;
+    REQUIRE(got == first);
+  }
+  return first;
+}
+
+}  // namespace
+
+TEST_CASE("adafactor: ZeRO-1", "[nn][optim][adafactor][zero]") {
+  // Each device of the data axis updates its slice of the flat vector (548 floats: over 2 devices
+  // fc2.w [16, 16] is cut after 66 of its elements, mid-row; over 4, fc1.w [12, 16] after 137 and
+  // fc2.w again, and the third device's slice holds fc2.w alone, so it has no run of the others but
+  // takes part in their sums). The statistics are summed over the data axis (and the model axis on
+  // 2 x 2). Against the replicated state on the same mesh (the same gradients): the sums are in
+  // double in another order, so the parameters after 5 steps may differ by a float rounding
+  // (tolerance 1e-6 relative; on this machine they are the same bits); the losses are one device's.
+  const nn::rng_key key{11};
+  for (const nn::optimizer& opt : whole_param_optimizers()) {
+    INFO(opt.name());
+    const auto ref = run(mesh_t{1, 1}, opt, {}, 5);
+    CHECK(ref.back() < ref.front());  // it learns
+    for (const mesh_t& m : {mesh_t{2, 1}, mesh_t{4, 1}, mesh_t{2, 2}}) {
+      INFO("mesh (" << m.axis_size(0) << ", " << m.axis_size(1) << ")");
+      nn::train_state replicated(m, make_net(m), opt, {}, key, {}, nn::data_parallel<"data">{});
+      nn::train_state zero(m, make_net(m), opt, {}, key, {}, nn::data_parallel<"data">{.zero = 1});
+      if (m.axis_size(1) == 1) CHECK(cuts_mid_row(zero));
+      if (opt.slots() > 0) CHECK(zero.optimizer_state_size(0) < replicated.optimizer_state_size(0));
+      require_close(train(replicated, 0, 5), ref, 1e-5);
+      require_close(train(zero, 0, 5), ref, 1e-5);
+      CHECK(max_rel_diff(whole_params(zero), whole_params(replicated)) <= 1e-6);
+      for (std::size_t i = 0; i < zero.params.size(); ++i) {
+        INFO(zero.params[i].name);
+        const auto got = alike_param_state(zero, i), want = alike_param_state(replicated, i);
+        REQUIRE(got.size() == want.size());
+        for (std::size_t k = 0; k < got.size(); ++k)
+          REQUIRE(std::abs(got[k] - want[k]) <= 1e-6 * std::abs(want[k]) + 1e-12);
+      }
+    }
+  }
+}
+
+TEST_CASE("adafactor: FSDP", "[nn][optim][adafactor][fsdp]") {
+  // FSDP's shards are blocks of each parameter cut along dimension 0 (fc1.w [12, 16] over 4: three
+  // rows each, every column statistic summed over the fsdp axis); with a model axis too, blocks of
+  // blocks. Against plain data parallelism over the same axis (the same gradients, the state
+  // unsharded): within a float rounding of the sums' order (1e-6 relative; here the same bits).
+  // Against one device the gradients themselves are summed in another order (Adam's parameters
+  // differ by some 1e-6 there too): the losses.
+  const nn::rng_key key{11};
+  for (const nn::optimizer& opt : whole_param_optimizers()) {
+    INFO(opt.name());
+    const auto losses = run(mesh_t{1, 1}, opt, {}, 5);
+    for (const shard_mesh_t& m : {shard_mesh_t{2, 1}, shard_mesh_t{4, 1}, shard_mesh_t{2, 2}}) {
+      INFO("mesh (" << m.axis_size(0) << ", " << m.axis_size(1) << ")");
+      nn::train_state fsdp(m, make_shard_net(m), opt, {}, key, {}, nn::fully_shard<"fsdp">{});
+      nn::train_state dp(m, make_shard_net(m), opt, {}, key, {}, nn::data_parallel<"fsdp">{});
+      if (opt.slots() > 0) CHECK(fsdp.optimizer_state_size(0) < dp.optimizer_state_size(0));  // slots sharded
+      require_close(train(fsdp, 0, 5), losses, 1e-5);
+      (void)train(dp, 0, 5);
+      CHECK(max_rel_diff(whole_params(fsdp), whole_params(dp)) <= 1e-6);
+      for (std::size_t i = 0; i < fsdp.params.size(); ++i) {
+        INFO(fsdp.params[i].name);
+        const auto got = alike_param_state(fsdp, i), want = alike_param_state(dp, i);
+        REQUIRE(got.size() == want.size());
+        for (std::size_t k = 0; k < got.size(); ++k)
+          REQUIRE(std::abs(got[k] - want[k]) <= 1e-6 * std::abs(want[k]) + 1e-12);
+      }
+    }
+  }
+}
+
+TEST_CASE("adafactor: ZeRO-1 checkpoints", "[nn][optim][adafactor][zero][checkpoint]") {
+  // Saved under ZeRO-1 after 3 steps: restored into ZeRO-1 it continues bit for bit as the run that
+  // was not interrupted; restored unsharded on the same mesh, within a rounding of the sums' order
+  // (1e-6 relative); on one device and into FSDP's shards, the losses (the gradients are summed in
+  // another order there). Saved unsharded, restored into ZeRO-1: the same. The statistics come
+  // back whole, the same bits on every device of every layout.
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("meshlib_nn_adafactor_zero_" + std::to_string(::getpid()));
+  const nn::rng_key key{11};
+  const nn::optimizer opt = nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f});
+  const mesh_t one{1, 1}, four{4, 1};
+  const shard_mesh_t shards{2, 1};
+  const auto zero1 = nn::data_parallel<"data">{.zero = 1};
+  {
+    fs::remove_all(dir);
+    nn::train_state a(four, make_net(four), opt, {}, key, {}, zero1);
+    (void)train(a, 0, 3);
+    nn::save_checkpoint(dir, a);
+    nn::train_state same(four, make_net(four), opt, {}, key, {}, zero1);
+    nn::train_state replicated(four, make_net(four), opt, {}, key);
+    nn::train_state single(one, make_net(one), opt, {}, key);
+    nn::train_state sharded(shards, make_shard_net(shards), opt, {}, key, {}, nn::fully_shard<"fsdp">{});
+    nn::restore_checkpoint(dir, same);
+    nn::restore_checkpoint(dir, replicated);
+    nn::restore_checkpoint(dir, single);
+    nn::restore_checkpoint(dir, sharded);
+    for (std::size_t i = 0; i < a.params.size(); ++i) {
+      INFO(a.params[i].name);
+      const auto saved = alike_param_state(a, i);
+      CHECK(alike_param_state(same, i) == saved);
+      CHECK(alike_param_state(replicated, i) == saved);
+      CHECK(alike_param_state(single, i) == saved);
+      CHECK(alike_param_state(sharded, i) == saved);
+    }
+    const auto rest = train(a, 3, 3);
+    const auto want = whole_params(a);
+    CHECK(train(same, 3, 3) == rest);
+    CHECK(whole_params(same) == want);
+    require_close(train(replicated, 3, 3), rest, 1e-5);
+    CHECK(max_rel_diff(whole_params(replicated), want) <= 1e-6);
+    require_close(train(single, 3, 3), rest, 1e-5);
+    require_close(train(sharded, 3, 3), rest, 1e-5);
+    // Without the restored statistics the continuation differs: they are what the test restores.
+    nn::train_state cold(four, make_net(four), opt, {}, key, {}, zero1);
+    nn::restore_checkpoint(dir, cold);
+    for (std::size_t i = 0; i < cold.params.size(); ++i)
+      for (std::size_t dev : cold.local_devices())
+        if (float* v = cold.param_state(i, dev)) {
+          const std::vector<float> zeros(cold.param_state_size(i), 0.0f);
+          meshlib::copy_from_host<meshlib::default_memory_space>(v, zeros.data(), zeros.size());
+        }
+    CHECK(train(cold, 3, 3) != rest);
+  }
+  {
+    fs::remove_all(dir);
+    nn::train_state a(four, make_net(four), opt, {}, key);
+    (void)train(a, 0, 3);
+    nn::save_checkpoint(dir, a);
+    nn::train_state b(four, make_net(four), opt, {}, key, {}, zero1);
+    nn::restore_checkpoint(dir, b);
+    for (std::size_t i = 0; i < a.params.size(); ++i) CHECK(alike_param_state(b, i) == alike_param_state(a, i));
+    require_close(train(b, 3, 3), train(a, 3, 3), 1e-5);
+    CHECK(max_rel_diff(whole_params(b), whole_params(a)) <= 1e-6);
+  }
   fs::remove_all(dir);
 }
 

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0 WITH LLVM-exception
 // Pipeline parallelism (nn/parallel/pipeline.hpp, issue 26) with what it used to refuse: 16-bit compute
 // (bfloat16, float16 with loss scaling), batch norm (statistics per micro-batch, running statistics
-// moved once per micro-batch, in order) and gradient accumulation over whole schedules; each against
+// moved once per micro-batch, in order), gradient accumulation over whole schedules and Adafactor
+// (statistics over whole parameters; it threw on another stage's devices); each against
 // the run without a pipeline on the same micro-batches (train_options{.accumulation} = micro-batches
 // x accumulation). And the activation memory a stage holds across the schedule
 // (step_metrics::peak_activation_bytes): 1F1B less than GPipe, by exactly the boundary buffers the
@@ -391,6 +392,22 @@ TEST_CASE("pipeline_plan::bubble_with_costs: the plan's bubble with each stage's
   const mesh_t one{1, 1, 1};
   nn::train_state flat(one, make_mlp(one), nn::adam(nn::constant(1e-2f)));
   CHECK(nn::stage_times(flat, 0).forwards == 0);
+}
+
+TEST_CASE("pipeline with adafactor", "[nn][pipeline][adafactor]") {
+  // Adafactor's statistics are summed over a parameter's pieces (nn/train/param_blocks.hpp): the
+  // devices of another stage hold none of it and take no part (they threw, as if handed a piece
+  // with nothing to sum it over); a stage's tensor-parallel blocks and ZeRO-1 runs are summed.
+  const nn::optimizer opt = nn::adafactor(0.1f, {.min_dim_size_to_factor = 8, .momentum = 0.5f});
+  const auto losses = [&](const shape_t& shape, nn::pipeline<"pipeline"> pipe, nn::data_parallel<"data"> dp = {}) {
+    const mesh_t m{shape[0], shape[1], shape[2]};
+    state_t<float> state(m, make_mlp(m), opt, {}, dp, pipe);
+    return run(state, 5);
+  };
+  const auto ref = losses({1, 1, 1}, {});
+  require_close(losses({1, 1, 2}, {.microbatches = 2}), ref, 1e-5);
+  require_close(losses({1, 2, 2}, {.microbatches = 2}), ref, 1e-5);
+  require_close(losses({2, 1, 2}, {.microbatches = 2}, {.zero = 1}), losses({2, 1, 1}, {}), 1e-5);
 }
 
 }  // namespace MESHLIB_TEST_UNIT

@@ -5,8 +5,9 @@
 /// `clip_by_block_rms(threshold)` divides a parameter's updates by `max(1, rms(updates) /
 /// threshold)`; `scale_by_param_block_rms(min_scale)` multiplies them by `max(rms(param),
 /// min_scale)`, so a step moves a parameter in proportion to its own size. The RMS is over the whole
-/// parameter: both need it whole on the device that updates it (`whole_parameters()`; see
-/// nn/optim/factored_rms.hpp).
+/// parameter (`whole_parameters()`): a device holding a piece of it (a tensor-parallel block, an
+/// FSDP shard, a ZeRO-1 run) sums its piece's squares, and the sum is added over the devices
+/// holding the others (`update_run::blocks`; see nn/optim/factored_rms.hpp).
 /// @code
 /// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
 ///                              meshlib::nn::scale_by_param_block_rms(), meshlib::nn::scale(-1e-2f));
@@ -29,11 +30,16 @@ namespace meshlib::nn {
 
 namespace detail {
 /// The RMS over the whole parameter of the run's values `x` (its updates or its parameter): the
-/// block's sum of squares, summed over the parameter's blocks when it is split.
+/// run's sum of squares, summed over the parameter's pieces when it is one.
 inline double block_rms(const update_run& r, const float* x) {
-  double sq[1] = {block_sum_of_squares(x, r.size)};
-  if (r.blocks != nullptr && r.blocks->split()) r.blocks->sum(std::span<double>(sq));
-  return std::sqrt(sq[0] / static_cast<double>(element_count(r.param.shape)));
+  double sq = block_sum_of_squares(x, r.size);
+  if (run_is_piece(r)) {  // (the sum is over the running device's memory)
+    auto d = ::meshlib::allocate<double, 1>({1}, "meshlib::nn::block_rms");
+    ::meshlib::copy_from_host<default_memory_space>(d.data(), &sq, 1);
+    r.blocks->sum(std::span<double>(d.data(), 1));
+    ::meshlib::copy_to_host<default_memory_space>(&sq, d.data(), 1);
+  }
+  return std::sqrt(sq / static_cast<double>(element_count(r.param.shape)));
 }
 }  // namespace detail
 
@@ -49,14 +55,15 @@ class clip_by_block_rms {
   }
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
-  /// True: the RMS is over every element of a parameter.
+  /// True: the RMS is over every element of a parameter (summed over its pieces).
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "clip_by_block_rms(" + detail::number_text(threshold_) + ")"; }
   /// What checkpoints record (no spaces): a resumed run must match it.
   [[nodiscard]] std::string kind() const { return "clip_by_block_rms"; }
   /// The `gradient_transform` requirement: transforms the run's updates in place.
-  /// @throws std::invalid_argument when the run is not a whole parameter.
+  /// @throws std::invalid_argument when the run is not a whole parameter nor a piece with
+  /// `r.blocks` split.
   void update(const update_run& r) const {
     detail::require_whole_parameter("clip_by_block_rms (adafactor)", r);
     const double rms = detail::block_rms(r, r.updates);
@@ -75,7 +82,7 @@ class scale_by_param_block_rms {
   explicit scale_by_param_block_rms(float min_scale = 1e-3f) : min_scale_(min_scale) {}
   /// The `gradient_transform` requirement: state floats per element.
   [[nodiscard]] std::size_t slots() const noexcept { return 0; }
-  /// True: the RMS is over every element of a parameter.
+  /// True: the RMS is over every element of a parameter (summed over its pieces).
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_param_block_rms"; }
@@ -83,7 +90,8 @@ class scale_by_param_block_rms {
   [[nodiscard]] std::string kind() const { return "scale_by_param_block_rms"; }
   /// The `gradient_transform` requirement: transforms the run's updates in place (the parameter's
   /// values before this step's update: `update_run::params`).
-  /// @throws std::invalid_argument when the run is not a whole parameter.
+  /// @throws std::invalid_argument when the run is not a whole parameter nor a piece with
+  /// `r.blocks` split.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_param_block_rms (adafactor)", r);
     const double rms = detail::block_rms(r, r.params);

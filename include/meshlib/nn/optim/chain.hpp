@@ -62,7 +62,7 @@ class chain_transform {
     for_each([&](const auto& t) { n += detail::param_state_size_of(t, p); });
     return n;
   }
-  /// Whether any transform needs each parameter whole in one run (`whole_parameters_of`).
+  /// Whether any transform reads statistics of whole parameters (`whole_parameters_of`).
   [[nodiscard]] bool whole_parameters() const {
     bool any = false;
     for_each([&](const auto& t) { any = any || detail::whole_parameters_of(t); });

@@ -12,16 +12,20 @@
 /// - otherwise (vectors, small matrices, `factored = false`): `v = beta_t v + (1 - beta_t) g2`,
 ///   `update = g / sqrt(v)`.
 ///
-/// The statistics of a parameter are a function of all its elements, so the transform needs each
-/// parameter in one run (`whole_parameters()`). Its state is per parameter, not per element
-/// (`param_state_size`): factored, `v_row` then `v_col`, `n / n0 + n / n1` floats for a parameter
-/// of `n` elements (a 1024 x 4096 matrix: 5,120 floats where Adam keeps 4,194,304 per moment);
-/// unfactored, `v`, `n` floats. A tensor-parallel parameter (`column_dense`, `row_dense`) is
-/// updated block by block: each device sums its block's lines, the sums are added over the devices
-/// holding the other blocks (`update_run::blocks`, an all-reduce of `n / n0 + n / n1` floats; `n`
-/// unfactored), and every one of them keeps the whole statistics, alike, so the update is the
-/// unsharded one. ZeRO-1 and FSDP, which hand the optimizer pieces of a flat vector, are refused by
-/// the train state.
+/// The statistics of a parameter are a function of all its elements (`whole_parameters()`). Its
+/// state is per parameter, not per element (`param_state_size`): factored, `v_row` then `v_col`,
+/// `n / n0 + n / n1` floats for a parameter of `n` elements (a 1024 x 4096 matrix: 5,120 floats
+/// where Adam keeps 4,194,304 per moment); unfactored, `v`, `n` floats. A parameter the optimizer
+/// sees in pieces is updated piece by piece: a tensor-parallel block (`column_dense`, `row_dense`),
+/// an FSDP shard (a block cut along dimension 0), or a ZeRO-1 device's run of the flat vector,
+/// which may cut the parameter anywhere, mid-row included (`update_run::offset` and `size` within
+/// the block). Each device sums the squares of its piece into the lines' statistics, the sums are
+/// added over the devices holding the other pieces (`update_run::blocks`, an all-reduce of
+/// `n / n0 + n / n1` doubles, `n` floats unfactored, over the parameter's tensor-parallel and fsdp
+/// axes and ZeRO-1's data axes: every device calls it for every parameter, with an empty run where
+/// its ZeRO-1 slice holds none of it), and every one of them keeps the whole statistics, alike, so
+/// the update is the unsharded one: the sums are in double as the unsharded ones, and round to the
+/// same floats but where their other order moves a rounding (unfactored: the same floats).
 /// @code
 /// auto tx = meshlib::nn::chain(meshlib::nn::scale_by_factored_rms(), meshlib::nn::clip_by_block_rms(1.0f),
 ///                              meshlib::nn::scale_by_learning_rate(1e-2f));
@@ -50,18 +54,22 @@ namespace detail {
 inline std::size_t element_count(std::span<const std::size_t> shape) {
   return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, [](std::size_t a, std::size_t b) { return a * b; });
 }
-/// The refusal of a run that is not a whole parameter (or a device's whole block of it, with
-/// `r.blocks`), for the transform `who`.
+/// Whether run `r` is a piece of a parameter whose other pieces other devices hold (`r.blocks`
+/// split: its statistics are summed over them).
+inline bool run_is_piece(const update_run& r) { return r.blocks != nullptr && r.blocks->split(); }
+/// The refusal of a run that is neither the whole parameter nor a piece with `r.blocks` to sum its
+/// statistics over the devices holding the rest, for the transform `who`.
 inline void require_whole_parameter(const char* who, const update_run& r) {
+  if (run_is_piece(r)) return;
   const std::size_t total = element_count(r.param.shape);
-  const std::size_t whole = r.blocks != nullptr ? element_count(r.blocks->extent()) : total;
-  if (r.offset != 0 || r.size != whole)
+  if (r.offset != 0 || r.size != total)
     throw std::invalid_argument(
         std::string("meshlib::nn: ") + who + ": parameter '" + std::string(r.param.name) + "' (" +
         std::to_string(total) + " elements) reached the optimizer as elements [" + std::to_string(r.offset) + ", " +
         std::to_string(r.offset + r.size) +
-        ") only: its statistics need the whole parameter (or a device's whole tensor-parallel block) in one run; "
-        "use replicated or data_parallel state without ZeRO (zero 0), and no fully_shard");
+        ") only, with no update_run::blocks to sum its statistics over the devices holding the rest: pass the "
+        "whole parameter in one run, or set update_run::blocks (the train state does, under ZeRO-1, fully_shard "
+        "and tensor parallelism)");
 }
 /// The `block_map` of a device's block (`blocks`) of a parameter of global `shape`.
 inline block_map map_of(const param_blocks& blocks, std::span<const std::size_t> shape) {
@@ -117,7 +125,7 @@ class scale_by_factored_rms {
     const auto dims = factored_dims(p.shape);
     return dims ? n / p.shape[(*dims)[1]] + n / p.shape[(*dims)[0]] : n;
   }
-  /// True: the statistics need every element of a parameter in one run.
+  /// True: the statistics are over every element of a parameter (summed over its pieces).
   [[nodiscard]] bool whole_parameters() const noexcept { return true; }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "scale_by_factored_rms"; }
@@ -143,8 +151,8 @@ class scale_by_factored_rms {
 
   /// The `gradient_transform` requirement: transforms the run's updates in place, its statistics
   /// in `r.param_state`.
-  /// @throws std::invalid_argument when the run is not a whole parameter (or block), or has no
-  /// per-parameter state.
+  /// @throws std::invalid_argument when the run is not a whole parameter nor a piece with
+  /// `r.blocks` split, or has no per-parameter state.
   void update(const update_run& r) const {
     detail::require_whole_parameter("scale_by_factored_rms (adafactor)", r);
     if (r.param_state == nullptr)
@@ -152,7 +160,7 @@ class scale_by_factored_rms {
                                   std::string(r.param.name) + "' has no per-parameter state (update_run::param_state "
                                   "is null); pass param_state_size(param) floats, zero at the start, as the train "
                                   "state does");
-    if (r.blocks != nullptr && r.blocks->split()) return update_block(r);
+    if (detail::run_is_piece(r)) return update_block(r);
     const float beta = decay(r.step);
     const auto dims = factored_dims(r.param.shape);
     if (!dims) {
@@ -183,22 +191,25 @@ class scale_by_factored_rms {
   std::size_t min_dim_;
   float eps_;
 
-  // A device's block of a tensor-parallel parameter (see the file comment): the block's sums,
-  // summed over the parameter's blocks, then the statistics of the whole parameter, alike on every
-  // device holding a block, and the block's update read from them.
+  // A piece of a parameter (see the file comment): elements `[r.offset, r.offset + r.size)` of a
+  // device's block (the whole of a tensor-parallel block or an FSDP shard; under ZeRO-1 any run of
+  // the block, empty included). Its sums, summed over the parameter's pieces, then the statistics of the whole
+  // parameter, alike on every device holding a piece, and the run's update read from them.
   void update_block(const update_run& r) const {
     const float beta = decay(r.step);
     const auto shape = r.param.shape;
     const auto extent = r.blocks->extent();
     const detail::block_map map = detail::map_of(*r.blocks, shape);
-    const std::size_t total = detail::element_count(shape);
+    const std::size_t total = detail::element_count(shape), block = detail::element_count(extent);
+    const std::size_t lo = r.offset, hi = r.offset + r.size;
     const auto dims = factored_dims(shape);
     if (!dims) {
       auto sums = ::meshlib::allocate<float, 1>({total}, "meshlib::nn::scale_by_factored_rms");
-      ::meshlib::launch<default_memory_space>(r.size, detail::squares_to_global{r.updates, sums.data(), map, eps_});
+      ::meshlib::launch<default_memory_space>(r.size, detail::squares_to_global{r.updates, sums.data(), map, eps_, lo});
       r.blocks->sum(std::span<float>(sums.data(), total));
       ::meshlib::launch<default_memory_space>(total, detail::unfactored_moment{r.param_state, sums.data(), beta});
-      ::meshlib::launch<default_memory_space>(r.size, detail::unfactored_scale_block{r.updates, r.param_state, map});
+      ::meshlib::launch<default_memory_space>(r.size,
+                                              detail::unfactored_scale_block{r.updates, r.param_state, map, lo});
       return;
     }
     const std::size_t d1 = (*dims)[0], d0 = (*dims)[1];
@@ -207,16 +218,16 @@ class scale_by_factored_rms {
     const std::size_t rows = total / n0, cols = total / n1, others = rows / n1;
     const std::size_t s1_row = d1 > d0 ? s1 : s1 / n0;
     const std::size_t b0 = extent[d0], b1 = extent[d1];
-    auto sums = ::meshlib::allocate<float, 1>({rows + cols}, "meshlib::nn::scale_by_factored_rms");
-    if (r.size != 0) {
+    auto sums = ::meshlib::allocate<double, 1>({rows + cols}, "meshlib::nn::scale_by_factored_rms");
+    if (r.size != 0) {  // (every line of the block: a run may hold any of them, in part)
       ::meshlib::launch<default_memory_space>(
-          r.size / b0, detail::factored_partial_sums{r.updates, sums.data(), map, detail::stride_of(extent, d0), b0, s0,
-                                                     n0, eps_});
+          block / b0, detail::factored_partial_sums{r.updates, sums.data(), map, detail::stride_of(extent, d0), b0, s0,
+                                                    n0, eps_, lo, hi});
       ::meshlib::launch<default_memory_space>(
-          r.size / b1, detail::factored_partial_sums{r.updates, sums.data() + rows, map, detail::stride_of(extent, d1),
-                                                     b1, s1, n1, eps_});
+          block / b1, detail::factored_partial_sums{r.updates, sums.data() + rows, map, detail::stride_of(extent, d1),
+                                                    b1, s1, n1, eps_, lo, hi});
     }
-    r.blocks->sum(std::span<float>(sums.data(), rows + cols));
+    r.blocks->sum(std::span<double>(sums.data(), rows + cols));
     float* v_row = r.param_state;
     float* v_col = v_row + rows;
     ::meshlib::launch<default_memory_space>(rows, detail::moment_from_sums{v_row, sums.data(), n0, beta});
@@ -224,7 +235,7 @@ class scale_by_factored_rms {
     auto mean = ::meshlib::allocate<float, 1>({others}, "meshlib::nn::scale_by_factored_rms");
     ::meshlib::launch<default_memory_space>(others, detail::row_mean{v_row, mean.data(), s1_row, n1});
     ::meshlib::launch<default_memory_space>(
-        r.size, detail::factored_scale_block{r.updates, v_row, v_col, mean.data(), map, s0, n0, s1, n1, s1_row});
+        r.size, detail::factored_scale_block{r.updates, v_row, v_col, mean.data(), map, s0, n0, s1, n1, s1_row, lo});
   }
 };
 

@@ -41,7 +41,7 @@ class masked_transform {
   }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const { return detail::stages_of(inner_); }
-  /// Whether `inner` needs each parameter whole in one run (`adafactor`).
+  /// Whether `inner` reads statistics of whole parameters (`adafactor`).
   [[nodiscard]] bool whole_parameters() const { return detail::whole_parameters_of(inner_); }
   /// The transform as logs print it.
   [[nodiscard]] std::string name() const { return "masked(" + detail::name_of(inner_) + ")"; }

@@ -84,7 +84,7 @@ class multi_transform_t {
   }
   /// How many stages `update` runs in (the train state runs each over every run before the next).
   [[nodiscard]] std::size_t stages() const noexcept { return stages_; }
-  /// Whether a group's transform needs each parameter whole in one run (`adafactor`).
+  /// Whether a group's transform reads statistics of whole parameters (`adafactor`).
   [[nodiscard]] bool whole_parameters() const {
     return std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g.second.whole_parameters(); });
   }

@@ -22,8 +22,9 @@
 /// column vector per matrix, O(rows + cols) instead of O(rows x cols)) says so with
 /// `param_state_size(param)`: the floats it keeps per parameter, zero at the start. The train state
 /// holds them whole on every device that holds a block of the parameter (alike on all of them: such
-/// a transform makes them so, summing its statistics over the parameter's blocks through
-/// `update_run::blocks`), checkpoints save them once, and `update_run::param_state` points at them.
+/// a transform makes them so, summing its statistics over the parameter's pieces through
+/// `update_run::blocks`: tensor-parallel blocks, FSDP shards, ZeRO-1 runs), checkpoints save them
+/// once, and `update_run::param_state` points at them.
 /// @code
 /// struct scale_by_sign {   // a user-written transform: update = sign(update), no state
 ///   std::size_t slots() const { return 0; }
@@ -53,9 +54,11 @@ struct param_info {
 };
 
 /// @brief Where a device's block of a parameter lies, for a transform whose statistics are over
-/// the whole parameter (`param_state_size`): the block's offset and extent per dimension, and a
-/// sum over the devices that hold the parameter's other blocks (its tensor-parallel axes), after
-/// which every one of them holds the same numbers (the collectives' sums are deterministic).
+/// the whole parameter (`param_state_size`): the block's offset and extent per dimension (the run
+/// is elements `[offset, offset + size)` of it, `update_run`), and a sum over the devices that hold
+/// the parameter's other pieces (its tensor-parallel and fsdp axes; under ZeRO-1 also the data
+/// axes, whose devices each hold a run of the same block), after which every one of them holds the
+/// same numbers (the collectives' sums are deterministic).
 class param_blocks {
  public:
   /// (Polymorphic: the train state implements it over its mesh.)
@@ -64,12 +67,14 @@ class param_blocks {
   [[nodiscard]] virtual std::span<const std::size_t> offset() const = 0;
   /// The block's extent per dimension (row-major, as its elements lie in the run).
   [[nodiscard]] virtual std::span<const std::size_t> extent() const = 0;
-  /// Whether the parameter is split over several devices (false: the block is all of it).
+  /// Whether the parameter is split over several devices (false: the block is all of it, and so is
+  /// the run).
   [[nodiscard]] virtual bool split() const = 0;
-  /// Sums `x` elementwise, in place, over the devices that hold the parameter's blocks (each calls
-  /// it, in the same order). `x` is in the running device's memory.
+  /// Sums `x` elementwise, in place, over the devices that hold the parameter's pieces (each calls
+  /// it, in the same order; under ZeRO-1 also one whose slice holds none of it, with an empty run).
+  /// `x` is in the running device's memory.
   virtual void sum(std::span<float> x) const = 0;
-  /// As above, in double (a host span: block RMS sums).
+  /// As above, in double (Adafactor's factored sums, the block RMS's sum of squares).
   virtual void sum(std::span<double> x) const = 0;
 };
 
@@ -93,9 +98,12 @@ struct update_run {
 /// per element, and `update(const update_run&)`, both const. Optional: `name()` (for logs; a
 /// string), `kind()` (what checkpoints record; no spaces), `stages()` (default 1),
 /// `reads_global_norm(stage)` (default false), `param_state_size(const param_info&)` (default 0:
-/// floats of per-parameter state, see the file comment), `whole_parameters()` (default false: true for a
-/// transform that needs every element of a parameter in one run, as Adafactor's statistics do) and `update_and_apply(run, float* params)`, the update
-/// and then `params += updates` in one pass (default: `update`, then a pass that adds them).
+/// floats of per-parameter state, see the file comment), `whole_parameters()` (default false: true
+/// for a transform whose statistics are over every element of a parameter, as Adafactor's: it gets
+/// `update_run::blocks`, and under ZeRO-1 a run of every parameter, empty where a device holds none,
+/// so that its sums over the pieces match on every device) and `update_and_apply(run, float*
+/// params)`, the update and then `params += updates` in one pass (default: `update`, then a pass
+/// that adds them).
 /// (The members are tested first: a type without them is rejected before its copy constructor is
 /// asked for, which for `optimizer`'s converting constructor would ask itself.)
 template <class T>
@@ -169,7 +177,7 @@ bool reads_global_norm_of(const T& t, std::size_t stage) {
   if constexpr (requires { t.reads_global_norm(stage); }) return t.reads_global_norm(stage);
   else return false;
 }
-/// `t.whole_parameters()` (the transform reads every element of a parameter at once), or false.
+/// `t.whole_parameters()` (the transform's statistics are over every element of a parameter), or false.
 template <class T>
 bool whole_parameters_of(const T& t) {
   if constexpr (requires { t.whole_parameters(); }) return t.whole_parameters();

@@ -4,7 +4,11 @@
 /// @brief `detail::optimizer_step`: what one device does with its synchronised gradients, whatever
 /// the parallelism: the global gradient norm (each device sums its share of every parameter, one
 /// multi-tensor reduction, then one all-reduce over the mesh) and the optimizer's chain, stage after
-/// stage, the last stage updating and applying every run at once (one multi-tensor kernel). The
+/// stage, the last stage updating and applying every run at once (one multi-tensor kernel). An
+/// optimizer that reads whole parameters (`adafactor`) sums its statistics over the devices holding
+/// a parameter's other pieces (`mesh_param_blocks`, nn/train/param_blocks.hpp): under ZeRO-1 each
+/// device then gets a run of every parameter, empty where its slice holds none, so that every device
+/// of the data axes calls those sums in the same order. The
 /// data-parallel policy's gradient paths (nn/parallel/data_parallel.hpp) hand it their runs; the
 /// train state holds one, with the per-device buffers that keep a step free of allocations after
 /// its first.
@@ -27,13 +31,14 @@
 namespace meshlib::nn::detail {
 
 /// The optimizer's step on each device of a `Mesh` whose parameters may be sharded over
-/// `ModelAxes` (tensor parallelism: what an optimizer reading whole parameters learns of a block).
-template <class Mesh, axis_mask ModelAxes>
+/// `ShardAxes` (tensor parallelism, FSDP: what an optimizer reading whole parameters learns of a
+/// block) and whose runs ZeRO-1 may cut over `CutAxes` (the data axes).
+template <class Mesh, axis_mask ShardAxes, axis_mask CutAxes = 0>
 class optimizer_step {
  public:
   using T = float;
   /// Where a device's block of a parameter lies (nn/train/param_blocks.hpp).
-  using blocks_type = mesh_param_blocks<Mesh, ModelAxes>;
+  using blocks_type = mesh_param_blocks<Mesh, ShardAxes, CutAxes>;
 
   explicit optimizer_step(std::size_t devices)
       : squares_(devices),
@@ -45,7 +50,8 @@ class optimizer_step {
         batch_params_(devices),
         batch_blocks_(devices),
         update_words_(devices),
-        update_tables_(devices) {}
+        update_tables_(devices),
+        no_slots_(devices) {}
 
   /// This device's share of the `len` elements at `g` in a global norm, a (piece of a) block of
   /// `p` that every device of the group of axes `p` is replicated over (less `except`) holds alike:
@@ -77,25 +83,35 @@ class optimizer_step {
   /// `master(i)` is parameter `i`'s float master block on `dev`, `param_state(i)` its
   /// per-parameter optimizer state there (or null); `norm`: the gradient's global norm; `except`:
   /// the axes over which a run's copies are not all alike (ZeRO-1's data axes), as `share_of`
-  /// takes them for a later stage's norm.
+  /// takes them for a later stage's norm, and over which the runs of one block are cut.
   template <class Master, class ParamState, class ForRuns>
   void run(const Mesh& mesh, const optimizer& opt, const std::vector<param_ref<T>>& params, std::size_t step,
            const Master& master, const ParamState& param_state, std::size_t dev, double norm, axis_mask except,
-           ForRuns&& for_runs) {
+           ForRuns&& given) {
+    // An optimizer that reads whole parameters: on runs ZeRO-1 cuts, a run of every parameter; none
+    // of a parameter held by no device it would sum with (`held_by_none`).
+    const auto for_runs = [&](auto&& f) {
+      if (!opt.whole_parameters()) return given(f);
+      const auto held = [&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+        if (!held_by_none(params[i], dev)) f(i, off, u, len, slot);
+      };
+      if (except != 0) return for_every_param(opt, params.size(), dev, given, held);
+      given(held);
+    };
     for (std::size_t k = 0; k < opt.stages(); ++k) {
       double stage_norm = norm;
       if (k > 0 && opt.reads_global_norm(k)) {  // the updates' norm after the stages before
         std::vector<float_run>& runs = norm_runs(dev);
-        for_runs([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
+        given([&](std::size_t i, std::size_t, T* u, std::size_t len, std::span<float* const>) {
           runs.push_back(share_of(mesh, dev, params[i], u, len, except));
         });
         stage_norm = global_norm(mesh, dev, runs);
       }
       if (k + 1 == opt.stages())
-        return apply_last_stage(mesh, opt, params, step, master, param_state, dev, k, stage_norm, for_runs);
+        return apply_last_stage(mesh, opt, params, step, master, param_state, dev, k, stage_norm, except, for_runs);
       for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
         const auto& p = params[i];
-        const blocks_type blocks(mesh, dev, p);
+        const blocks_type blocks(mesh, dev, p, except);
         opt.update(update_run{u, master(i) + off, slot, len, off, step, k, stage_norm,
                               param_info{p.name, p.shape, p.decay}, param_state(i), &blocks});
       });
@@ -103,6 +119,29 @@ class optimizer_step {
   }
 
  private:
+  /// Whether device `dev` holds no block of `p`, nor does any device it would sum `p`'s statistics
+  /// with: `p` is split over an axis that is not summed over (a pipeline's: only its stage's
+  /// devices hold it), and the devices of a sum differ over summed axes only, so they all hold it or
+  /// none do. (A device with an empty block of a parameter split over summed axes still sums.)
+  [[nodiscard]] static bool held_by_none(const param_ref<T>& p, std::size_t dev) {
+    return p.count[dev] == 0 && (p.sharded_axes & ~(ShardAxes | CutAxes)) != 0;
+  }
+  /// `for_runs(f)`, and `f(i, 0, nullptr, 0, no slots)` for each parameter `i` of `n` that it gives
+  /// no run of, in parameter order (`for_runs` gives at most one run per parameter, in order, as
+  /// ZeRO-1's slice of the flat vector holds them).
+  template <class ForRuns, class F>
+  void for_every_param(const optimizer& opt, std::size_t n, std::size_t dev, ForRuns& for_runs, F& f) const {
+    std::vector<float*>& none = no_slots_.at(dev);
+    none.assign(opt.slots(), nullptr);
+    const std::span<float* const> no_slots(none);
+    std::size_t next = 0;
+    for_runs([&](std::size_t i, std::size_t off, T* u, std::size_t len, std::span<float* const> slot) {
+      for (; next < i; ++next) f(next, std::size_t{0}, static_cast<T*>(nullptr), std::size_t{0}, no_slots);
+      f(i, off, u, len, slot);
+      next = i + 1;
+    });
+    for (; next < n; ++next) f(next, std::size_t{0}, static_cast<T*>(nullptr), std::size_t{0}, no_slots);
+  }
   /// The sum of squares of device `dev`'s `runs` (shares of a global norm, in parameter order): one
   /// multi-tensor reduction, two kernels and one read-back whatever the number of runs (issue 38).
   double sum_of_squares(std::size_t dev, const std::vector<float_run>& runs) const {
@@ -117,7 +156,7 @@ class optimizer_step {
   template <class Master, class ParamState, class ForRuns>
   void apply_last_stage(const Mesh& mesh, const optimizer& opt, const std::vector<param_ref<T>>& params, std::size_t step,
                         const Master& master, const ParamState& param_state, std::size_t dev, std::size_t k,
-                        double norm, ForRuns& for_runs) {
+                        double norm, axis_mask except, const ForRuns& for_runs) {
     auto& runs = batch_runs_.at(dev);
     auto& slots = batch_slots_.at(dev);
     auto& out = batch_params_.at(dev);
@@ -131,7 +170,7 @@ class optimizer_step {
       const auto& p = params[i];
       runs.push_back(update_run{u, master(i) + off, {}, len, off, step, k, norm, param_info{p.name, p.shape, p.decay},
                                 param_state(i)});
-      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p);
+      if (opt.whole_parameters()) blocks.emplace_back(mesh, dev, p, except);
       slots.insert(slots.end(), slot.begin(), slot.end());  // (the caller reuses `slot` for the next run)
       out.push_back(master(i) + off);
     });
@@ -157,6 +196,8 @@ class optimizer_step {
   std::vector<std::vector<blocks_type>> batch_blocks_;
   std::vector<std::vector<std::size_t>> update_words_;
   run_table_buffers update_tables_;
+  /// The state slots of an empty run (`for_every_param`), per device.
+  mutable std::vector<std::vector<float*>> no_slots_;
 };
 
 }  // namespace meshlib::nn::detail

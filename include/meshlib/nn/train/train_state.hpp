@@ -151,9 +151,10 @@ class train_state {
   /// The axes parameters may be sharded over by their layers (tensor parallelism): every axis but
   /// the data, fsdp and pipeline axes.
   static constexpr axis_mask model_axes = Mesh::all_axes & ~data_axes & ~fsdp_axes & ~pipeline_axes;
-  /// What an optimizer that reads whole parameters learns of a device's block of one
-  /// (nn/train/param_blocks.hpp).
-  using blocks_type = detail::mesh_param_blocks<Mesh, model_axes>;
+  /// What an optimizer that reads whole parameters learns of a device's piece of one
+  /// (nn/train/param_blocks.hpp): a block over the model axes and the fsdp axis, a run of it cut
+  /// over the data axes (ZeRO-1).
+  using blocks_type = detail::mesh_param_blocks<Mesh, model_axes | fsdp_axes, data_axes>;
 
   /// The mesh the model runs on.
   Mesh mesh;
@@ -174,9 +175,9 @@ class train_state {
   /// plain data parallelism over the data axes (`data_parallel<Data>{}`), nothing else.
   /// `local_devices`: this process's devices (empty: all).
   /// @throws sharding_error when `opts.accumulation` is 0, for an optimizer that reads whole
-  /// parameters (`adafactor`) with a tensor-parallel parameter, and for a mesh whose pipeline axis
-  /// `Pipe` or second batch axis `Fsdp` has more than one device (an axis is pipelined, fully
-  /// sharded or split by the batch by a policy, not by its name).
+  /// parameters (`adafactor`) with a parameter its layer shards over a data or pipeline axis, and
+  /// for a mesh whose pipeline axis `Pipe` or second batch axis `Fsdp` has more than one device (an
+  /// axis is pipelined, fully sharded or split by the batch by a policy, not by its name).
   train_state(const Mesh& m, Model net, optimizer o, train_options opts = {}, rng_key k = {},
               std::span<const std::size_t> local_devices = {})
       : train_state(m, std::move(net), o, opts, k, local_devices, policy_set{}) {}
@@ -189,8 +190,7 @@ class train_state {
   /// @throws sharding_error as the constructor above (a pipeline policy over the pipeline axis
   /// lifts the refusal there), when `data_parallel::zero` is not 0 or 1, for ZeRO-1 beside
   /// `fully_shard` or with overlap, for overlap where no layer hook would start the buckets (a model
-  /// that is not a `sequential`, a pipeline over more than one device), and for an optimizer that
-  /// reads whole parameters with ZeRO-1 or `fully_shard`.
+  /// that is not a `sequential`, a pipeline over more than one device).
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
               std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
@@ -495,20 +495,17 @@ class train_state {
                              "overlap; drop .overlap (or the pipeline)");
     }
   }
-  // An optimizer that reads whole parameters (`adafactor`) on a state whose optimizer would see
-  // pieces of one: refused here, before any step, with the fix.
+  // An optimizer that reads whole parameters (`adafactor`) on a parameter its layer splits over an
+  // axis that is not a model axis: refused here, before any step, with the fix. Tensor-parallel
+  // blocks, FSDP's shards and ZeRO-1's runs are fine: the transforms sum their statistics over a
+  // parameter's pieces (nn/train/param_blocks.hpp); a layer's block over a data axis, whose devices
+  // also split the batch, is not one of those.
   void refuse_parameter_shards() const {
     const auto bad = [&](const std::string& why, const std::string& fix) {
       return sharding_error("meshlib::nn: train_state: the optimizer " + opt.name() +
-                            " reads whole parameters (its statistics are per parameter, summed over a "
-                            "tensor-parallel parameter's blocks), but " + why + "; " + fix);
+                            " reads whole parameters (its statistics are per parameter, summed over the pieces of "
+                            "a tensor-parallel, FSDP or ZeRO-1 parameter), but " + why + "; " + fix);
     };
-    if (policies_.data.zero == 1)
-      throw bad("ZeRO-1 (data_parallel zero 1) shards the optimizer state over the data axes",
-                "use data_parallel without ZeRO (zero 0)");
-    if (policies_.fsdp) throw bad("fully_shard shards the parameters", "train without fully_shard");
-    // Tensor-parallel blocks are fine (the transforms sum their statistics over a parameter's
-    // blocks, nn/train/param_blocks.hpp); a parameter split over another axis is not.
     for (const auto& p : params)
       if ((p.sharded_axes & ~model_axes) != 0)
         throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " over a data or pipeline axis",
@@ -581,7 +578,7 @@ class train_state {
   detail::device_buffers<std::int32_t> ids_;  // token ids staged for a device that cannot read the caller's
   detail::device_buffers<T> output_grad_;
   /// The global gradient norm and the optimizer's update, with their per-device buffers.
-  detail::optimizer_step<Mesh, model_axes> optimizer_step_;
+  detail::optimizer_step<Mesh, model_axes | fsdp_axes, data_axes> optimizer_step_;
   /// Per parameter (16-bit Compute only): its float master weights, a tensor with the
   /// parameter's shape and sharding.
   std::vector<detail::held_tensor<float>> masters_;

@@ -3,7 +3,8 @@
 /// @file
 /// @brief The kernels of the transforms that read a whole parameter (nn/optim/factored_rms.hpp,
 /// nn/optim/block_rms.hpp): a deterministic sum of squares, and the row and column statistics of
-/// Adafactor's factored second moment. Classes, not lambdas: nvcc refuses extended lambdas in
+/// Adafactor's factored second moment, of a whole parameter or of a run of a device's block of it
+/// (a tensor-parallel block, an FSDP shard, a piece in a ZeRO-1 slice). Classes, not lambdas: nvcc refuses extended lambdas in
 /// functions whose return type is deduced, and these are called from such code.
 ///
 /// A parameter is a row-major array; its factored statistics are the arrays optax keeps, laid out
@@ -143,40 +144,52 @@ struct block_map {
   }
 };
 
-/// The block's partial sums of a factored statistic: for each of the block's lines along the
-/// dimension of block stride `s` and extent `n` (line `j`: the block without that dimension),
-/// `sums[statistic of the line] = sum (g^2 + eps)`, the statistic's index in the whole parameter's
-/// statistic (global stride `gs`, extent `gn` of that dimension). `sums` starts at zero; a line is
-/// one statistic, so no two lines write one entry.
+/// The partial sums of a factored statistic over a run of a block: for each of the block's lines
+/// along the dimension of block stride `s` and extent `n` (line `j`: the block without that
+/// dimension), `sums[statistic of the line] = sum (g^2 + eps)` over the line's elements in the run
+/// (block elements `[lo, hi)`, at `g[0, hi - lo)`), the statistic's index in the whole parameter's
+/// statistic (global stride `gs`, extent `gn` of that dimension), in double as `factored_moment`
+/// sums a whole line (so the statistics of a parameter in pieces round to the same floats as its
+/// unsharded ones but where the order of the double sums moves a rounding). `sums` starts at zero;
+/// a line is one statistic, so no two lines write one entry. A whole block (`lo` 0, `hi` its size)
+/// sums every line whole, in the same order; a ZeRO-1 run may hold a line in part or not at all
+/// (then 0).
 struct factored_partial_sums {
   const float* g;
-  float* sums;
+  double* sums;
   block_map map;
   std::size_t s, n, gs, gn;
   float eps;
+  std::size_t lo, hi;
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
     const std::size_t first = insert_dim(j, s, n, 0);
+    // The line's elements `first + c s` in `[lo, hi)`: `c` in `[c0, c1)`.
+    const std::size_t c0 = first >= lo ? 0 : (lo - first + s - 1) / s;
+    const std::size_t above = first >= hi ? 0 : (hi - first + s - 1) / s;
+    const std::size_t c1 = above < n ? above : n;
     double acc = 0;
-    for (std::size_t c = 0; c < n; ++c) {
-      const float x = g[first + c * s];
+    for (std::size_t c = c0; c < c1; ++c) {
+      const float x = g[first + c * s - lo];
       acc += static_cast<double>(x * x + eps);
     }
-    sums[drop_dim(map.global(first), gs, gn)] = static_cast<float>(acc);
+    sums[drop_dim(map.global(first), gs, gn)] = acc;
   }
 };
 
-/// `v[j] = beta v[j] + (1 - beta) sums[j] / n`: a statistic from the summed lines of every block.
+/// `v[j] = beta v[j] + (1 - beta) sums[j] / n`: a statistic from the summed lines of every piece,
+/// rounded as `factored_moment` rounds it.
 struct moment_from_sums {
   float* v;
-  const float* sums;
+  const double* sums;
   std::size_t n;
   float beta;
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const {
-    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(static_cast<double>(sums[j]) / static_cast<double>(n));
+    v[j] = beta * v[j] + (1.0f - beta) * static_cast<float>(sums[j] / static_cast<double>(n));
   }
 };
 
-/// `factored_scale` of a block: its element `i` reads the statistics of its place in the parameter.
+/// `factored_scale` of a run of a block (`u[i]` is block element `first + i`): each element reads
+/// the statistics of its place in the parameter.
 struct factored_scale_block {
   float* u;
   const float* v_row;
@@ -186,8 +199,9 @@ struct factored_scale_block {
   std::size_t s0, n0;  ///< stride and extent of `d0` in the whole parameter
   std::size_t s1, n1;  ///< of `d1` in the whole parameter
   std::size_t s1_row;  ///< of `d1` in `v_row`
+  std::size_t first;   ///< the run's first element in the block
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
-    const std::size_t gi = map.global(i);
+    const std::size_t gi = map.global(first + i);
     const std::size_t r = drop_dim(gi, s0, n0);
     const float row = 1.0f / sqrt_in_kernel(v_row[r] / mean[drop_dim(r, s1_row, n1)]);
     const float col = 1.0f / sqrt_in_kernel(v_col[drop_dim(gi, s1, n1)]);
@@ -195,13 +209,15 @@ struct factored_scale_block {
   }
 };
 
-/// The unfactored second moment of a block: `sums[global(i)] = g^2 + eps` (the rest stay zero).
+/// The unfactored second moment of a run of a block (`g[i]` is block element `first + i`):
+/// `sums[global(first + i)] = g^2 + eps` (the rest stay zero).
 struct squares_to_global {
   const float* g;
   float* sums;
   block_map map;
   float eps;
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { sums[map.global(i)] = g[i] * g[i] + eps; }
+  std::size_t first;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { sums[map.global(first + i)] = g[i] * g[i] + eps; }
 };
 
 /// `v = beta v + (1 - beta) sums` over the whole parameter (the summed squares of every block).
@@ -212,12 +228,15 @@ struct unfactored_moment {
   KOKKOS_INLINE_FUNCTION void operator()(std::size_t j) const { v[j] = beta * v[j] + (1.0f - beta) * sums[j]; }
 };
 
-/// `u[i] = u[i] / sqrt(v[global(i)])`: the unfactored update of a block.
+/// `u[i] = u[i] / sqrt(v[global(first + i)])`: the unfactored update of a run of a block.
 struct unfactored_scale_block {
   float* u;
   const float* v;
   block_map map;
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const { u[i] = u[i] / sqrt_in_kernel(v[map.global(i)]); }
+  std::size_t first;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t i) const {
+    u[i] = u[i] / sqrt_in_kernel(v[map.global(first + i)]);
+  }
 };
 
 /// `u[i] *= f`.
