@@ -53,6 +53,7 @@
 #include "meshlib/nn/parallel/grad_sync.hpp"
 #include "meshlib/nn/parallel/pipeline.hpp"
 #include "meshlib/nn/parallel/policy.hpp"
+#include "meshlib/nn/parallel/policy_set.hpp"
 #include "meshlib/nn/parameter.hpp"
 #include "meshlib/nn/precision.hpp"
 #include "meshlib/nn/random.hpp"
@@ -95,13 +96,8 @@ class train_state {
   // The checker fires its one static_assert (naming both types) when they clash.
   static_assert(meshlib::diagnostic::diagnosed(detail::check_reduction_type<Wire, Compute>()));
 
-  /// The policies a state runs: each parallelism at most once, over the state's axes.
-  struct policy_set {
-    data_parallel<Data> data;                  ///< `data_parallel<Data>{}` when none was given
-    bool data_over_fsdp = false;               ///< a `data_parallel<Data, Fsdp>` was given
-    std::optional<fully_shard<Fsdp>> fsdp;     ///< empty without FSDP
-    std::optional<nn::pipeline<Pipe>> pipe;    ///< empty without a pipeline
-  };
+  /// The policies a state runs and their checks (nn/parallel/policy_set.hpp).
+  using policy_set = detail::policy_set<Data, Fsdp, Pipe>;
 
  public:
   /// The element type of parameters and optimizer state.
@@ -194,7 +190,8 @@ class train_state {
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
               std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
-      : train_state(m, std::move(net), o, opts, k, local_devices, collect_policies(p, ps...)) {}
+      : train_state(m, std::move(net), o, opts, k, local_devices,
+                    policy_set::template collect<Mesh, Model>(p, ps...)) {}
   /// @brief As the constructor above, with a default key, on every device.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
@@ -397,9 +394,7 @@ class train_state {
       if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
         model.round_activations = &detail::round_to<Compute>;
     if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
-    refuse_unpipelined_axis();
-    refuse_unclaimed_fsdp_axis();
-    refuse_ignored_overlap();
+    policies_.template check_axes<Model, fsdp_axes, pipeline_axes>(mesh);
     std::vector<std::size_t> all;
     if (local_devices.empty())
       for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
@@ -439,62 +434,6 @@ class train_state {
     refresh_compute_copies();
   }
 
-  // A mesh axis is pipelined by a `pipeline` policy, never by its name: the state's pipeline axis
-  // with more than one device and no policy for it would otherwise replicate the whole model over
-  // it silently (every stage's worth of devices computing the same thing), so it is refused with
-  // the fix. (An axis a data_parallel or fully_shard policy names is theirs: `pipeline_axes` is 0.)
-  void refuse_unpipelined_axis() const {
-    if constexpr (pipeline_axes != 0) {
-      const std::size_t n = mesh.axes_size(pipeline_axes);
-      if (!policies_.pipe && n > 1) {
-        const std::string name(detail::text_of(Pipe));
-        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
-                             " devices but no pipeline policy was given; an axis is pipelined only by a policy, "
-                             "not by its name: pass meshlib::nn::pipeline<\"" + name +
-                             "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
-      }
-    }
-  }
-  // Nor does an axis split the batch or shard the parameters by its name: the state's second
-  // batch axis `Fsdp` ("fsdp" by default) with more than one device is refused unless a policy
-  // names it (`fully_shard<Fsdp>`, `data_parallel<Data, Fsdp>`, or `data_parallel<Fsdp>` itself),
-  // rather than split the batch over an axis the user never gave a role.
-  void refuse_unclaimed_fsdp_axis() const {
-    if constexpr (fsdp_axes != 0 && detail::text_of(Fsdp) != detail::text_of(Data)) {
-      const std::size_t n = mesh.axes_size(fsdp_axes);
-      if (!policies_.fsdp && !policies_.data_over_fsdp && n > 1) {
-        const std::string name(detail::text_of(Fsdp)), data(detail::text_of(Data));
-        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
-                             " devices but no policy names it; an axis splits the batch or shards the parameters "
-                             "only by a policy, not by its name: pass meshlib::nn::fully_shard<\"" + name +
-                             "\">{} (parameters, gradients and optimizer state sharded over it, the batch split over "
-                             "it) or meshlib::nn::data_parallel<\"" + data + "\", \"" + name +
-                             "\">{} (the batch only) to the train_state, or make the axis size 1");
-      }
-    }
-  }
-  // data_parallel's overlap starts each gradient bucket from the layer hooks a `sequential` calls
-  // during its backward (nn/parallel/grad_overlap.hpp). Where no hook would start them, a model that
-  // is not a `sequential` or a pipelined step (which synchronises after the schedule's last
-  // backward, nn/parallel/pipeline_run.hpp), `.overlap = true` would do nothing: refused, with the
-  // fix, rather than ignored. (ZeRO-1 with overlap: `refuse_clashes`. The overlap is a value, not a
-  // type, so this is a run-time check.)
-  void refuse_ignored_overlap() const {
-    if (!policies_.data.overlap) return;
-    const std::string dp = "data_parallel<\"" + std::string(detail::text_of(Data)) + "\">{.overlap = true}";
-    if constexpr (!detail::sequential_model<Model>) {
-      throw sharding_error("meshlib::nn: train_state: " + dp + " on a model that is not an nn::sequential: the "
-                           "overlap starts each gradient bucket from the hooks sequential calls after each layer's "
-                           "backward, and this model has none; wrap the layers in nn::sequential or drop .overlap");
-    } else if constexpr (pipeline_axes != 0) {
-      const std::size_t n = mesh.axes_size(pipeline_axes);
-      if (policies_.pipe && n > 1)
-        throw sharding_error("meshlib::nn: train_state: " + dp + " with pipeline<\"" + std::string(detail::text_of(Pipe)) +
-                             "\"> over " + std::to_string(n) + " stages: a pipelined step synchronises the gradients "
-                             "after its schedule's last backward, not from the layer hooks, so there is nothing to "
-                             "overlap; drop .overlap (or the pipeline)");
-    }
-  }
   // An optimizer that reads whole parameters (`adafactor`) on a parameter its layer splits over an
   // axis that is not a model axis: refused here, before any step, with the fix. Tensor-parallel
   // blocks, FSDP's shards and ZeRO-1's runs are fine: the transforms sum their statistics over a
@@ -510,47 +449,6 @@ class train_state {
       if ((p.sharded_axes & ~model_axes) != 0)
         throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " over a data or pipeline axis",
                   "shard it over model (tensor-parallel) axes only, or replicate it");
-  }
-  /// The policies `ps`, after their compile-time checks and the run-time checks of their values.
-  template <class... Ps>
-  static policy_set collect_policies(const Ps&... ps) {
-    detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
-    policy_set set;
-    (keep_policy(set, ps), ...);
-    (refuse_clashes<Ps...>(ps), ...);
-    return set;
-  }
-  /// Throws when `p` asks for what another of the policies `Ps` already does (or undoes): ZeRO-1
-  /// beside `fully_shard` (which shards the optimizer state itself), overlap with ZeRO-1 (whose
-  /// reduce-scatter runs after the backward). Values, not types: checked at construction.
-  template <class... Ps, class P>
-  static void refuse_clashes(const P& p) {
-    if constexpr (P::kind == parallelism::data) {
-      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) + "\">";
-      if constexpr (detail::policy_count_v<parallelism::fully_sharded, Ps...> != 0)
-        if (p.zero == 1)
-          throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1} and fully_shard<\"" +
-                               std::string(detail::text_of(Fsdp)) + "\"> both shard the optimizer state; fully_shard "
-                               "already shards it (over '" + std::string(detail::text_of(Fsdp)) + "', the " + dp +
-                               " axis holding replicas of the shards: HSDP): drop .zero");
-      if (p.zero == 1 && p.overlap)
-        throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1, .overlap = true}: ZeRO-1 reduce-scatters "
-                             "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
-    }
-  }
-  // Each policy into its slot. (A policy over another axis than the state's has already fired
-  // `check_policies`' one static_assert: it is not kept, so that no second error follows. One
-  // function over the policy's type: nvcc 13's front end deduces no `fixed_string A` from
-  // `data_parallel<A>`.)
-  template <class P>
-  static void keep_policy(policy_set& set, const P& p) {
-    if constexpr (std::is_same_v<P, data_parallel<Data>>) {
-      set.data = p;
-    } else if constexpr (std::is_same_v<P, data_parallel<Data, Fsdp>>) {
-      set.data = data_parallel<Data>{.zero = p.zero, .overlap = p.overlap, .bucket_elements = p.bucket_elements};
-      set.data_over_fsdp = true;
-    } else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
-    else if constexpr (std::is_same_v<P, nn::pipeline<Pipe>>) set.pipe = p;
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   void refresh_device(std::size_t dev) {
