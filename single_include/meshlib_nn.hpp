@@ -1034,6 +1034,13 @@ struct rows_sharded_over {};
 /// A layer's need: values that are not a pending sum (an elementwise map of a sum is not the sum
 /// of the maps).
 struct complete_values {};
+/// A layer's need: values that do not vary over `Axes` (the same on every device of them):
+/// `transformer_block` adds its input to the attention's output, which a psum over them completes.
+template <class Axes>
+struct replicated_over {};
+/// A layer's need: a block of rank `R` (`dropout`: rank 2, rows and features).
+template <std::size_t R>
+struct rank {};
 }  // namespace meshlib::diagnostic
 
 namespace meshlib::nn::detail {
@@ -1164,6 +1171,34 @@ consteval bool layer_input_element_type_differs() {
                 "input's element type>; declare the layer with the input's element type, or give it values of its own");
   return false;
 }
+
+/// The one error of a layer's `forward` given an input it cannot take, for the layers whose fix is
+/// said by what they need (`Needs`, their `input_requirement`) and no error of their own: `Layer`
+/// is its `diagnostic_name`, `Receives` the input's layout (`diagnostic::value_t`).
+template <class Layer, class Receives, class Needs>
+consteval bool layer_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: the layer cannot take this input: the condition spells out layer_input_does_not_fit<"
+                "the layer, the input's layout (one dims<...> entry per dimension), what it needs>. "
+                "features_sharded_over<axes<>>: a rank-2 block (tokens, features) of the layer's mesh whose features "
+                "are complete and unsharded and not a pending sum (all_gather or psum them first; a batch of "
+                "sequences is batch * sequence rows, sequence-major); replicated_over<axes<...>>: values that do not vary "
+                "over those axes (the layout's vary<...> names none of them; do not pvary the input over them); "
+                "rank<2>: a rank-2 block (rows, features)");
+  return false;
+}
+
+/// What a diagnostic that compares two tensor types shows of `A` beside `B`: their layouts where
+/// those differ, else the whole types (`sequential`'s cotangent check, `residual`'s branches).
+template <class A, class B>
+struct diagnostic_of {
+  using type = A;
+};
+template <local_tensor_type A, local_tensor_type B>
+  requires(!std::is_same_v<meshlib::diagnostic::value_t<A>, meshlib::diagnostic::value_t<B>>)
+struct diagnostic_of<A, B> {
+  using type = meshlib::diagnostic::value_t<A>;
+};
 
 // ---- the one compile-time error of sequential ------------------------------------------------------
 
@@ -2497,12 +2532,17 @@ std::size_t first_id_outside(const std::int32_t* id, std::size_t rows, std::int3
 namespace meshlib::nn {
 
 namespace detail {
-template <class Layer, class ModelAxis, class Ids>
-consteval bool embedding_ids_not_replicated() {
-  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Ids>,
-                "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
-                "of a model group looks up the same tokens in its own vocabulary range; the condition spells out the "
-                "layer, its model axis and the ids' layout): shard the ids over the data axis only");
+/// The one error of `embedding::forward` given ids it cannot take: not a rank-1 tensor of
+/// `std::int32_t`, or not complete and replicated over the model axis.
+template <class Layer, class ModelAxis, class Ids, class Id>
+consteval bool embedding_ids_do_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Ids, Id>,
+                "meshlib::nn: embedding: the ids must be complete and replicated over the model axis, one "
+                "std::int32_t per token in a rank-1 tensor (every device of a model group looks up the same tokens "
+                "in its own vocabulary range; the condition spells out the layer, its model axis, the ids' layout "
+                "(one dims<...> entry per dimension) and their element type): shard the ids over the data axis "
+                "only, flatten (batch, sequence) ids to batch * sequence (sequence-major) and convert them to "
+                "std::int32_t");
   return false;
 }
 }  // namespace detail
@@ -2566,12 +2606,9 @@ class embedding {
   template <local_tensor_type Ids>
   output_t<Ids> forward(const Ids& ids) {
     static_cast<void>(require_kernel_can_read<"embedding.forward", "ids", Ids>());
-    static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
-                  "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
     if constexpr (!accepts_input<Ids>) {
-      if constexpr (std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1)
-        static_cast<void>(detail::embedding_ids_not_replicated<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
-                                                               meshlib::diagnostic::value_t<Ids>>());
+      static_cast<void>(detail::embedding_ids_do_not_fit<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
+                                                         meshlib::diagnostic::value_t<Ids>, typename Ids::value_type>());
       return {};  // the one diagnostic above has fired; nothing else may
     } else {
       using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range
@@ -2597,19 +2634,24 @@ class embedding {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"embedding.backward", "dy", DY>());
-    using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
-    const std::size_t dev = dy.device();
-    const auto [ids, rows] = saved_[dev];
-    const auto tl = table.local(dev);
-    const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
-    const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
-    T* g = table.grad.local(dev).data();
-    const T* dyp = dy.data();
-    const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
-    const std::size_t n = rows;
-    detail::scatter_add_rows<default_memory_space>(g, dyp, id, n, d, v0, vl);
-    return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
+      const std::size_t dev = dy.device();
+      const auto [ids, rows] = saved_[dev];
+      const auto tl = table.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
+      const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
+      T* g = table.grad.local(dev).data();
+      const T* dyp = dy.data();
+      const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
+      const std::size_t n = rows;
+      detail::scatter_add_rows<default_memory_space>(g, dyp, id, n, d, v0, vl);
+      return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
+    }
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).
@@ -3015,6 +3057,7 @@ class tied_head {
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // begin meshlib/nn/detail/attention_kernels.hpp
@@ -3181,29 +3224,38 @@ class causal_self_attention {
   template <local_tensor_type X>
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"causal_self_attention.forward", "x", X>());
-    const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
-    detail::check_whole_sequences(to_string(), rows, seq, dev);
-    auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
-    using H = decltype(y);    // features sharded over Model: the layout of the heads' outputs too
-    const std::size_t hl = heads_ / x.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
-    saved_[dev] = {rows, seq, true};
-    // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
-    T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
-    const T* yp = y.data();
-    detail::split_heads<default_memory_space>(qh, yp, rows, hl, hd);
-    T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
-    T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
-    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    // One batch of hl * nb products each (a strided-batched cuBLAS call on a GPU): S = scale Q K^T, O = P V.
-    const std::size_t g = hl * nb;
-    matmul_into(view3(p, g, seq, seq), cview3(part(qh, 0, hl, rows, hd), g, seq, hd), cview3(part(qh, 1, hl, rows, hd), g, seq, hd),
-                {.transpose_b = true, .alpha = scale});
-    detail::causal_softmax<default_memory_space>(p, hl * nb * seq, seq);
-    matmul_into(view3(oh, g, seq, hd), cview3(p, g, seq, seq), cview3(part(qh, 2, hl, rows, hd), g, seq, hd));
-    T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
-    const T* ohp = oh;
-    detail::merge_heads<default_memory_space>(oc, ohp, rows, hl, hd);
-    return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(
+          detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
+      detail::check_whole_sequences(to_string(), rows, seq, dev);
+      auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
+      using H = decltype(y);    // features sharded over Model: the layout of the heads' outputs too
+      const std::size_t hl = heads_ / x.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+      saved_[dev] = {rows, seq, true};
+      // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
+      T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+      const T* yp = y.data();
+      detail::split_heads<default_memory_space>(qh, yp, rows, hl, hd);
+      T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
+      T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
+      const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+      // One batch of hl * nb products each (a strided-batched cuBLAS call on a GPU): S = scale Q K^T, O = P V.
+      const std::size_t g = hl * nb;
+      matmul_into(view3(p, g, seq, seq), cview3(part(qh, 0, hl, rows, hd), g, seq, hd), cview3(part(qh, 1, hl, rows, hd), g, seq, hd),
+                  {.transpose_b = true, .alpha = scale});
+      detail::causal_softmax<default_memory_space>(p, hl * nb * seq, seq);
+      matmul_into(view3(oh, g, seq, hd), cview3(p, g, seq, seq), cview3(part(qh, 2, hl, rows, hd), g, seq, hd));
+      T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
+      const T* ohp = oh;
+      detail::merge_heads<default_memory_space>(oc, ohp, rows, hl, hd);
+      return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
+    }
   }
 
   /// The cotangent of the input (when `need_dx`); accumulates the projections' gradients.
@@ -3211,37 +3263,42 @@ class causal_self_attention {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"causal_self_attention.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    if (!saved_[dev].ran)
-      throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
-                           " before any forward there; run forward first (backward uses what it saved)");
-    const std::size_t rows = saved_[dev].rows, seq = saved_[dev].seq;  // the forward's, whatever was set since
-    auto dout = proj.backward(dy, true);  // checks dy; (rows, local heads * head_dim)
-    using H = decltype(dout);
-    const std::size_t hl = heads_ / dy.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
-    const T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
-    const T* p = probs_.get(dev, hl * nb * seq * seq);
-    T* doh = doh_.get(dev, hl * rows * hd);
-    const T* dop = dout.data();
-    detail::unmerge_heads<default_memory_space>(doh, dop, rows, hl, hd);
-    T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
-    T* dp = dprobs_.get(dev, hl * nb * seq * seq);
-    const std::size_t g = hl * nb;
-    const auto pb = cview3(p, g, seq, seq);
-    const auto dob = cview3(doh, g, seq, hd);
-    // dV = P^T dO; dP = dO V^T (each a batch over heads and sequences)
-    matmul_into(view3(part(dqh, 2, hl, rows, hd), g, seq, hd), pb, dob, {.transpose_a = true});
-    matmul_into(view3(dp, g, seq, seq), dob, cview3(part(qh, 2, hl, rows, hd), g, seq, hd), {.transpose_b = true});
-    detail::causal_softmax_backward<default_memory_space>(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
-    const auto dsb = cview3(dp, g, seq, seq);
-    // dQ = dS K; dK = dS^T Q (dS already holds the scale)
-    matmul_into(view3(part(dqh, 0, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 1, hl, rows, hd), g, seq, hd));
-    matmul_into(view3(part(dqh, 1, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 0, hl, rows, hd), g, seq, hd),
-                {.transpose_a = true});
-    T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
-    const T* dqhp = dqh;
-    detail::unsplit_heads<default_memory_space>(dq, dqhp, rows, hl, hd);
-    return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      if (!saved_[dev].ran)
+        throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
+                             " before any forward there; run forward first (backward uses what it saved)");
+      const std::size_t rows = saved_[dev].rows, seq = saved_[dev].seq;  // the forward's, whatever was set since
+      auto dout = proj.backward(dy, true);  // checks dy; (rows, local heads * head_dim)
+      using H = decltype(dout);
+      const std::size_t hl = heads_ / dy.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+      const T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+      const T* p = probs_.get(dev, hl * nb * seq * seq);
+      T* doh = doh_.get(dev, hl * rows * hd);
+      const T* dop = dout.data();
+      detail::unmerge_heads<default_memory_space>(doh, dop, rows, hl, hd);
+      T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
+      T* dp = dprobs_.get(dev, hl * nb * seq * seq);
+      const std::size_t g = hl * nb;
+      const auto pb = cview3(p, g, seq, seq);
+      const auto dob = cview3(doh, g, seq, hd);
+      // dV = P^T dO; dP = dO V^T (each a batch over heads and sequences)
+      matmul_into(view3(part(dqh, 2, hl, rows, hd), g, seq, hd), pb, dob, {.transpose_a = true});
+      matmul_into(view3(dp, g, seq, seq), dob, cview3(part(qh, 2, hl, rows, hd), g, seq, hd), {.transpose_b = true});
+      detail::causal_softmax_backward<default_memory_space>(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
+      const auto dsb = cview3(dp, g, seq, seq);
+      // dQ = dS K; dK = dS^T Q (dS already holds the scale)
+      matmul_into(view3(part(dqh, 0, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 1, hl, rows, hd), g, seq, hd));
+      matmul_into(view3(part(dqh, 1, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 0, hl, rows, hd), g, seq, hd),
+                  {.transpose_a = true});
+      T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
+      const T* dqhp = dqh;
+      detail::unsplit_heads<default_memory_space>(dq, dqhp, rows, hl, hd);
+      return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
+    }
   }
 
   /// Appends the projections' parameters to `out`: `.qkv.w`, `.qkv.b`, `.out.w`, `.out.b`.
@@ -3376,31 +3433,52 @@ class transformer_block {
   /// `h = x + attn(ln1(x))`, then `h + fc2(gelu(fc1(ln2(h))))`.
   template <local_tensor_type X>
   X forward(const X& x) {
-    const std::size_t dev = x.device(), n = x.size();
-    auto a = attn.forward(ln1.forward(x));
-    static_assert(std::is_same_v<decltype(a), X>, "meshlib::nn: transformer_block: the attention returns its input's type");
-    T* h = h_.get(dev, n);
-    detail::sum_values<default_memory_space>(h, x.data(), a.data(), n);
-    const X hx(typename X::view_type(h, x.extent(0), x.extent(1)), x.mesh(), dev);
-    auto m = fc2.forward(act.forward(fc1.forward(ln2.forward(hx))));
-    T* y = y_.get(dev, n);
-    detail::sum_values<default_memory_space>(y, h, m.data(), n);
-    return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(
+          detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else if constexpr ((X::vary & causal_self_attention<T, Mesh, Model>::model_mask) != 0) {
+      // The attention's output is the same on every device of the model axis, the input is not: no sum.
+      using needs = diagnostic::replicated_over<
+          meshlib::diagnostic::axes_t<Mesh, causal_self_attention<T, Mesh, Model>::model_mask>>;
+      static_cast<void>(detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, needs>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.size();
+      auto a = attn.forward(ln1.forward(x));
+      // Holds once the checks above pass (an internal invariant, not a user error).
+      static_assert(std::is_same_v<decltype(a), X>, "meshlib::nn: transformer_block: the attention returns its input's type");
+      T* h = h_.get(dev, n);
+      detail::sum_values<default_memory_space>(h, x.data(), a.data(), n);
+      const X hx(typename X::view_type(h, x.extent(0), x.extent(1)), x.mesh(), dev);
+      auto m = fc2.forward(act.forward(fc1.forward(ln2.forward(hx))));
+      T* y = y_.get(dev, n);
+      detail::sum_values<default_memory_space>(y, h, m.data(), n);
+      return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    }
   }
 
   /// The cotangent of the input (`need_dx` is passed to the first product, whose input is `ln1`'s
   /// output, so the cotangent is always computed: the residual needs it).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
-    const std::size_t dev = dy.device(), n = dy.size();
-    auto dm = ln2.backward(fc1.backward(act.backward(fc2.backward(dy, true)), true));
-    T* dh = dh_.get(dev, n);
-    detail::sum_values<default_memory_space>(dh, dy.data(), dm.data(), n);
-    const DY dhx(typename DY::view_type(dh, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
-    auto da = ln1.backward(attn.backward(dhx, true));
-    T* dx = dx_.get(dev, n);
-    detail::sum_values<default_memory_space>(dx, dh, da.data(), n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), n = dy.size();
+      auto dm = ln2.backward(fc1.backward(act.backward(fc2.backward(dy, true)), true));
+      T* dh = dh_.get(dev, n);
+      detail::sum_values<default_memory_space>(dh, dy.data(), dm.data(), n);
+      const DY dhx(typename DY::view_type(dh, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+      auto da = ln1.backward(attn.backward(dhx, true));
+      T* dx = dx_.get(dev, n);
+      detail::sum_values<default_memory_space>(dx, dh, da.data(), n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// Appends the parameters in order: `ln1`, `attn`, `ln2`, `fc1`, `fc2`.
@@ -3434,6 +3512,7 @@ class transformer_block {
 
 #include <cstddef>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // begin meshlib/nn/number_text.hpp
@@ -3492,6 +3571,14 @@ class dropout {
     return name_ + " (dropout " + detail::number_text(rate_) + ")";
   }
 
+  /// A rank-2 block (rows, features), of any layout: the mask is a function of the global element.
+  template <class X>
+  static constexpr bool accepts_input = X::rank == 2;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::diagnostic::op_t<"dropout">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::rank<2>;
+
   /// The step's key and mode (called by `sequential::begin_step` before the devices run).
   void begin_step(rng_key key, bool train) {
     key_ = key.fold_in(id_);
@@ -3502,20 +3589,29 @@ class dropout {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"dropout.forward", "x", X>());
-    const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
-    if (!train_ || rate_ <= 0.0f) return x;
-    shape_[dev] = {rows, cols, true};
-    const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
-    const std::size_t gcols = x.global_extent(1);
-    T* mask = mask_.get(dev, rows * cols);
-    T* y = out_.get(dev, rows * cols);
-    const T keep = T{1} / static_cast<T>(1.0f - rate_);
-    const T* xp = x.data();
-    const rng_key key = key_;
-    const float rate = rate_;
-    // One work item per row (the row's global index is computed once, as in the loop).
-    detail::dropout_forward<default_memory_space>(y, mask, xp, rows, cols, r0, c0, gcols, key, rate, keep);
-    return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(
+          detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
+      if (!train_ || rate_ <= 0.0f) return x;
+      shape_[dev] = {rows, cols, true};
+      const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
+      const std::size_t gcols = x.global_extent(1);
+      T* mask = mask_.get(dev, rows * cols);
+      T* y = out_.get(dev, rows * cols);
+      const T keep = T{1} / static_cast<T>(1.0f - rate_);
+      const T* xp = x.data();
+      const rng_key key = key_;
+      const float rate = rate_;
+      // One work item per row (the row's global index is computed once, as in the loop).
+      detail::dropout_forward<default_memory_space>(y, mask, xp, rows, cols, r0, c0, gcols, key, rate, keep);
+      return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
+    }
   }
 
   /// Applies the forward step's mask to the cotangent `dy`; the second argument (need_dx) is ignored.
@@ -3523,15 +3619,20 @@ class dropout {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"dropout.backward", "dy", DY>());
-    if (!train_ || rate_ <= 0.0f) return dy;
-    const std::size_t dev = dy.device(), n = dy.size();
-    const auto [rows, cols, ran] = shape_[dev];
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
-    const T* mask = mask_.get(dev, n);
-    T* dx = dx_.get(dev, n);
-    const T* d = dy.data();
-    detail::multiply_values<default_memory_space>(dx, d, mask, n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      if (!train_ || rate_ <= 0.0f) return dy;
+      const std::size_t dev = dy.device(), n = dy.size();
+      const auto [rows, cols, ran] = shape_[dev];
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
+      const T* mask = mask_.get(dev, n);
+      T* dx = dx_.get(dev, n);
+      const T* d = dy.data();
+      detail::multiply_values<default_memory_space>(dx, d, mask, n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: dropout has no parameters.
@@ -5048,6 +5149,15 @@ class batch_norm {
 #include <vector>
 
 
+namespace meshlib::diagnostic {
+/// A `residual`'s main branch, of kind `Kind` (an `op` naming it, or the layer's type).
+template <class Kind>
+struct main_branch {};
+/// A `residual`'s shortcut branch, of kind `Kind`.
+template <class Kind>
+struct shortcut_branch {};
+}  // namespace meshlib::diagnostic
+
 namespace meshlib::nn {
 
 /// @brief The identity layer: returns its input, and the cotangent unchanged.
@@ -5070,6 +5180,30 @@ struct identity {
 };
 
 namespace detail {
+template <class Residual, class Branch, class Input, class Returns>
+consteval bool residual_branch_returns_another_type() {
+  static_assert(meshlib::diagnostic::always_false<Residual, Branch, Input, Returns>,
+                "meshlib::nn: residual: both branches must return their input's type (same sharding, vary and "
+                "partial; in backward, the input's cotangent) so their sum is elementwise: the condition spells out "
+                "residual_branch_returns_another_type<residual, the branch (main_branch or shortcut_branch, its kind), "
+                "the input's layout, what the branch returns> (the whole types where the layouts agree). End the "
+                "branch with a layer that returns its input's sharding (a row_dense after a column_dense), or psum "
+                "or reshard inside the branch");
+  return false;
+}
+
+/// True when a residual's branch `Branch` (`main_branch<kind>` / `shortcut_branch<kind>`) given `In`
+/// returned `Out`, its input's type; otherwise fires the one diagnostic naming the branch and both layouts.
+template <class Branch, class In, class Out>
+consteval bool check_branch_type() {
+  if constexpr (std::is_same_v<In, Out>)
+    return true;
+  else
+    return residual_branch_returns_another_type<meshlib::diagnostic::op_t<"residual">, Branch,
+                                                typename diagnostic_of<In, Out>::type,
+                                                typename diagnostic_of<Out, In>::type>();
+}
+
 /// `l.backward(dy, need_dx)`, telling a `sequential` (whose backward names its input type) that its
 /// input had `dy`'s type: a residual's branches take and return the same type.
 template <class L, class DY>
@@ -5129,9 +5263,13 @@ class residual {
   }
   /// `"residual"`, as messages name it.
   [[nodiscard]] std::string name() const { return "residual"; }
-  /// What the main branch accepts.
+  /// What both branches accept.
   template <class X>
   static constexpr bool accepts_input = detail::layer_accepts<Main, X>() && detail::layer_accepts<Shortcut, X>();
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::diagnostic::op_t<"residual">;
+  /// What the main branch needs (`sequential`'s message when a residual cannot take its input).
+  using input_requirement = typename detail::layer_input_requirement<Main>::type;
 
   /// Passes the step's key and mode to both branches (batch norm and dropout read them).
   void begin_step(rng_key key, bool train) {
@@ -5143,44 +5281,50 @@ class residual {
   /// @throws sharding_error when the branches return blocks of different shapes.
   template <local_tensor_type X>
   X forward(const X& x) {
-    const auto h = main.forward(x);
-    const auto s = shortcut.forward(x);
-    static_assert(std::is_same_v<std::remove_cvref_t<decltype(h)>, X> && std::is_same_v<std::remove_cvref_t<decltype(s)>, X>,
-                  "meshlib::nn: residual: both branches must return their input's type (same sharding, vary and "
-                  "partial) so their sum is elementwise; reshard or psum inside the branch");
-    const std::size_t dev = x.device();
-    if (h.extent(0) != s.extent(0) || h.extent(1) != s.extent(1))
-      throw sharding_error("meshlib::nn: residual: on device " + std::to_string(dev) + " the main branch returned (" +
-                           std::to_string(h.extent(0)) + ", " + std::to_string(h.extent(1)) + ") and the shortcut (" +
-                           std::to_string(s.extent(0)) + ", " + std::to_string(s.extent(1)) +
-                           "); the branches must return the same shape");
-    const std::size_t n = h.size();
-    rows_[dev] = {h.extent(0), h.extent(1), true};
-    T* y = out_.get(dev, n);
-    const T* hp = h.data();
-    const T* sp = s.data();
-    detail::sum_values<default_memory_space>(y, hp, sp, n);
-    return X(typename X::view_type(y, h.extent(0), h.extent(1)), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto h = main.forward(x);
+      const auto s = shortcut.forward(x);
+      using H = std::remove_cvref_t<decltype(h)>;
+      using S = std::remove_cvref_t<decltype(s)>;
+      if constexpr (!detail::check_branch_type<main_branch_t, X, H>() ||
+                    !detail::check_branch_type<shortcut_branch_t, X, S>())
+        return x;  // the one diagnostic has fired; nothing else may
+      else
+        return sum(h, s);
+    }
   }
 
   /// The sum of both branches' input cotangents (when `need_dx`; otherwise unspecified contents).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
-    const std::size_t dev = dy.device();
-    detail::check_output_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran,
-                               rows_[dev].rows, rows_[dev].cols);
-    const auto dm = detail::branch_backward(main, dy, need_dx);
-    const auto ds = detail::branch_backward(shortcut, dy, need_dx);
-    static_assert(std::is_same_v<std::remove_cvref_t<decltype(dm)>, DY> && std::is_same_v<std::remove_cvref_t<decltype(ds)>, DY>,
-                  "meshlib::nn: residual: both branches' backward must return the input's type");
-    const std::size_t n = dm.size();
-    T* dx = dx_.get(dev, n);
-    if (need_dx) {
-      const T* a = dm.data();
-      const T* b = ds.data();
-      detail::sum_values<default_memory_space>(dx, a, b, n);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      detail::check_output_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran, rows_[dev].rows,
+                                     rows_[dev].cols);
+      const auto dm = detail::branch_backward(main, dy, need_dx);
+      const auto ds = detail::branch_backward(shortcut, dy, need_dx);
+      using DM = std::remove_cvref_t<decltype(dm)>;
+      using DS = std::remove_cvref_t<decltype(ds)>;
+      if constexpr (!detail::check_branch_type<main_branch_t, DY, DM>() ||
+                    !detail::check_branch_type<shortcut_branch_t, DY, DS>()) {
+        return dy;  // the one diagnostic has fired; nothing else may
+      } else {
+        const std::size_t n = dm.size();
+        T* dx = dx_.get(dev, n);
+        if (need_dx) {
+          const T* a = dm.data();
+          const T* b = ds.data();
+          detail::sum_values<default_memory_space>(dx, a, b, n);
+        }
+        return DY(typename DY::view_type(dx, dm.extent(0), dm.extent(1)), dy.mesh(), dev);
+      }
     }
-    return DY(typename DY::view_type(dx, dm.extent(0), dm.extent(1)), dy.mesh(), dev);
   }
 
   /// Appends the main branch's parameters, then the shortcut's.
@@ -5195,6 +5339,27 @@ class residual {
   }
 
  private:
+  using main_branch_t = meshlib::diagnostic::main_branch<typename detail::layer_diagnostic_name<Main>::type>;
+  using shortcut_branch_t = meshlib::diagnostic::shortcut_branch<typename detail::layer_diagnostic_name<Shortcut>::type>;
+
+  /// `h + s` into the residual's buffer, after checking that the branches' blocks have one shape.
+  template <class X>
+  X sum(const X& h, const X& s) {
+    const std::size_t dev = h.device();
+    if (h.extent(0) != s.extent(0) || h.extent(1) != s.extent(1))
+      throw sharding_error("meshlib::nn: residual: on device " + std::to_string(dev) + " the main branch returned (" +
+                           std::to_string(h.extent(0)) + ", " + std::to_string(h.extent(1)) + ") and the shortcut (" +
+                           std::to_string(s.extent(0)) + ", " + std::to_string(s.extent(1)) +
+                           "); the branches must return the same shape");
+    const std::size_t n = h.size();
+    rows_[dev] = {h.extent(0), h.extent(1), true};
+    T* y = out_.get(dev, n);
+    const T* hp = h.data();
+    const T* sp = s.data();
+    detail::sum_values<default_memory_space>(y, hp, sp, n);
+    return X(typename X::view_type(y, h.extent(0), h.extent(1)), h.mesh(), dev);
+  }
+
   struct shape {
     std::size_t rows = 0, cols = 0;
     bool ran = false;
@@ -5296,17 +5461,6 @@ consteval bool backward_cotangent_type_differs_from_input() {
   return false;
 }
 
-/// What the diagnostic above shows of `A` beside `B`: their layouts where those differ, else the types.
-template <class A, class B>
-struct cotangent_diagnostic {
-  using type = A;
-};
-template <local_tensor_type A, local_tensor_type B>
-  requires(!std::is_same_v<meshlib::diagnostic::value_t<A>, meshlib::diagnostic::value_t<B>>)
-struct cotangent_diagnostic<A, B> {
-  using type = meshlib::diagnostic::value_t<A>;
-};
-
 /// True when the backward of layer `I` (of type `L`) returned `DX`, its input's type `In`; otherwise
 /// fires the one diagnostic, naming the layer and both layouts.
 template <std::size_t I, class L, class In, class DX>
@@ -5315,8 +5469,8 @@ consteval bool check_cotangent_type() {
     return true;
   else
     return backward_cotangent_type_differs_from_input<meshlib::diagnostic::layer<I, typename layer_diagnostic_name<L>::type>,
-                                                      typename cotangent_diagnostic<In, DX>::type,
-                                                      typename cotangent_diagnostic<DX, In>::type>();
+                                                      typename diagnostic_of<In, DX>::type,
+                                                      typename diagnostic_of<DX, In>::type>();
 }
 
 /// Whether `sequential` fuses the backward of `Above`, an elementwise activation, with that of
@@ -14415,6 +14569,143 @@ std::shared_ptr<pipeline_engine> make_pipeline_state(State& s, const Policy& p, 
 
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/parallel/pipeline.hpp
+// begin meshlib/nn/parallel/policy_set.hpp
+/// @file
+/// @brief `detail::policy_set`: the parallel policies a `train_state` runs (nn/train/train_state.hpp),
+/// each parallelism at most once over the state's axes, and every check of them: at compile time
+/// (`check_policies`, nn/parallel/policy.hpp), of their values when collected (`collect`: ZeRO-1
+/// beside `fully_shard` or with overlap), and against the mesh when the state is made (`check_axes`:
+/// an axis gets its role from a policy, never from its name; an overlap no layer hook would start).
+/// Values, not types, so these last ones are run-time `sharding_error`s, each naming the policy
+/// and the fix.
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+
+namespace meshlib::nn::detail {
+
+/// @brief The policies of a `train_state` over the data axis `Data`, the second batch axis `Fsdp`
+/// (`fully_shard`'s, or `data_parallel`'s second) and the pipeline axis `Pipe` (see the file comment).
+template <fixed_string Data, fixed_string Fsdp, fixed_string Pipe>
+struct policy_set {
+  data_parallel<Data> data;               ///< `data_parallel<Data>{}` when none was given
+  bool data_over_fsdp = false;            ///< a `data_parallel<Data, Fsdp>` was given
+  std::optional<fully_shard<Fsdp>> fsdp;  ///< empty without FSDP
+  std::optional<nn::pipeline<Pipe>> pipe; ///< empty without a pipeline
+
+  /// The policies `ps` of a state on a `Mesh` running a `Model`, after their compile-time checks
+  /// and the checks of their values.
+  /// @throws sharding_error for ZeRO-1 beside `fully_shard` or with overlap, and for a ZeRO stage
+  /// other than 0 or 1 (data_parallel_impl).
+  template <class Mesh, class Model, class... Ps>
+  static policy_set collect(const Ps&... ps) {
+    check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
+    policy_set set;
+    (set.keep(ps), ...);
+    (refuse_clashes<Ps...>(ps), ...);
+    return set;
+  }
+
+  /// Checks the policies against `mesh`, whose axes `FsdpAxes` and `PipelineAxes` are the state's
+  /// second batch axis and pipeline axis (0: none, or the pipeline axis is a data axis):
+  /// @throws sharding_error for either axis of more than one device that no policy names (an axis
+  /// is pipelined, fully sharded or split by the batch by a policy, never by its name: silently
+  /// replicating the model or splitting the batch over it would both surprise), and for
+  /// `.overlap = true` where no layer hook would start the buckets.
+  template <class Model, axis_mask FsdpAxes, axis_mask PipelineAxes, class Mesh>
+  void check_axes(const Mesh& mesh) const {
+    if constexpr (PipelineAxes != 0) {
+      const std::size_t n = mesh.axes_size(PipelineAxes);
+      if (!pipe && n > 1) {
+        const std::string name(text_of(Pipe));
+        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
+                             " devices but no pipeline policy was given; an axis is pipelined only by a policy, "
+                             "not by its name: pass meshlib::nn::pipeline<\"" + name +
+                             "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
+      }
+    }
+    if constexpr (FsdpAxes != 0 && text_of(Fsdp) != text_of(Data)) {
+      const std::size_t n = mesh.axes_size(FsdpAxes);
+      if (!fsdp && !data_over_fsdp && n > 1) {
+        const std::string name(text_of(Fsdp)), data_axis(text_of(Data));
+        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
+                             " devices but no policy names it; an axis splits the batch or shards the parameters "
+                             "only by a policy, not by its name: pass meshlib::nn::fully_shard<\"" + name +
+                             "\">{} (parameters, gradients and optimizer state sharded over it, the batch split over "
+                             "it) or meshlib::nn::data_parallel<\"" + data_axis + "\", \"" + name +
+                             "\">{} (the batch only) to the train_state, or make the axis size 1");
+      }
+    }
+    refuse_ignored_overlap<Model, PipelineAxes>(mesh);
+  }
+
+ private:
+  // Each policy into its slot. (A policy over another axis than the state's has already fired
+  // `check_policies`' one static_assert: it is not kept, so that no second error follows. One
+  // function over the policy's type: nvcc 13's front end deduces no `fixed_string A` from
+  // `data_parallel<A>`.)
+  template <class P>
+  void keep(const P& p) {
+    if constexpr (std::is_same_v<P, data_parallel<Data>>) {
+      data = p;
+    } else if constexpr (std::is_same_v<P, data_parallel<Data, Fsdp>>) {
+      data = data_parallel<Data>{.zero = p.zero, .overlap = p.overlap, .bucket_elements = p.bucket_elements};
+      data_over_fsdp = true;
+    } else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) {
+      fsdp = p;
+    } else if constexpr (std::is_same_v<P, nn::pipeline<Pipe>>) {
+      pipe = p;
+    }
+  }
+
+  // Throws when `p` asks for what another of the policies `Ps` already does (or undoes): ZeRO-1
+  // beside `fully_shard` (which shards the optimizer state itself), overlap with ZeRO-1 (whose
+  // reduce-scatter runs after the backward).
+  template <class... Ps, class P>
+  static void refuse_clashes(const P& p) {
+    if constexpr (P::kind == parallelism::data) {
+      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) + "\">";
+      if constexpr (policy_count_v<parallelism::fully_sharded, Ps...> != 0)
+        if (p.zero == 1)
+          throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1} and fully_shard<\"" +
+                               std::string(text_of(Fsdp)) + "\"> both shard the optimizer state; fully_shard "
+                               "already shards it (over '" + std::string(text_of(Fsdp)) + "', the " + dp +
+                               " axis holding replicas of the shards: HSDP): drop .zero");
+      if (p.zero == 1 && p.overlap)
+        throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1, .overlap = true}: ZeRO-1 reduce-scatters "
+                             "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
+    }
+  }
+
+  // data_parallel's overlap starts each gradient bucket from the layer hooks a `sequential` calls
+  // during its backward (nn/parallel/grad_overlap.hpp). Where no hook would start them, a model that
+  // is not a `sequential` or a pipelined step (which synchronises after the schedule's last
+  // backward, nn/parallel/pipeline_run.hpp), `.overlap = true` would do nothing: refused, with the
+  // fix, rather than ignored.
+  template <class Model, axis_mask PipelineAxes, class Mesh>
+  void refuse_ignored_overlap(const Mesh& mesh) const {
+    if (!data.overlap) return;
+    const std::string dp = "data_parallel<\"" + std::string(text_of(Data)) + "\">{.overlap = true}";
+    if constexpr (!sequential_model<Model>) {
+      throw sharding_error("meshlib::nn: train_state: " + dp + " on a model that is not an nn::sequential: the "
+                           "overlap starts each gradient bucket from the hooks sequential calls after each layer's "
+                           "backward, and this model has none; wrap the layers in nn::sequential or drop .overlap");
+    } else if constexpr (PipelineAxes != 0) {
+      const std::size_t n = mesh.axes_size(PipelineAxes);
+      if (pipe && n > 1)
+        throw sharding_error("meshlib::nn: train_state: " + dp + " with pipeline<\"" + std::string(text_of(Pipe)) +
+                             "\"> over " + std::to_string(n) + " stages: a pipelined step synchronises the gradients "
+                             "after its schedule's last backward, not from the layer hooks, so there is nothing to "
+                             "overlap; drop .overlap (or the pipeline)");
+    }
+  }
+};
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/parallel/policy_set.hpp
 // begin meshlib/nn/train/optimizer_step.hpp
 /// @file
 /// @brief `detail::optimizer_step`: what one device does with its synchronised gradients, whatever
@@ -14795,13 +15086,8 @@ class train_state {
   // The checker fires its one static_assert (naming both types) when they clash.
   static_assert(meshlib::diagnostic::diagnosed(detail::check_reduction_type<Wire, Compute>()));
 
-  /// The policies a state runs: each parallelism at most once, over the state's axes.
-  struct policy_set {
-    data_parallel<Data> data;                  ///< `data_parallel<Data>{}` when none was given
-    bool data_over_fsdp = false;               ///< a `data_parallel<Data, Fsdp>` was given
-    std::optional<fully_shard<Fsdp>> fsdp;     ///< empty without FSDP
-    std::optional<nn::pipeline<Pipe>> pipe;    ///< empty without a pipeline
-  };
+  /// The policies a state runs and their checks (nn/parallel/policy_set.hpp).
+  using policy_set = detail::policy_set<Data, Fsdp, Pipe>;
 
  public:
   /// The element type of parameters and optimizer state.
@@ -14894,7 +15180,8 @@ class train_state {
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, rng_key k,
               std::span<const std::size_t> local_devices, const P& p, const Ps&... ps)
-      : train_state(m, std::move(net), o, opts, k, local_devices, collect_policies(p, ps...)) {}
+      : train_state(m, std::move(net), o, opts, k, local_devices,
+                    policy_set::template collect<Mesh, Model>(p, ps...)) {}
   /// @brief As the constructor above, with a default key, on every device.
   template <parallel_policy P, parallel_policy... Ps>
   train_state(const Mesh& m, Model net, optimizer o, train_options opts, const P& p, const Ps&... ps)
@@ -15097,9 +15384,7 @@ class train_state {
       if constexpr (requires { model.round_activations = &detail::round_to<Compute>; })
         model.round_activations = &detail::round_to<Compute>;
     if (options.accumulation == 0) throw sharding_error("meshlib::nn: train_options: accumulation must be at least 1");
-    refuse_unpipelined_axis();
-    refuse_unclaimed_fsdp_axis();
-    refuse_ignored_overlap();
+    policies_.template check_axes<Model, fsdp_axes, pipeline_axes>(mesh);
     std::vector<std::size_t> all;
     if (local_devices.empty())
       for (std::size_t d = 0; d < m.size(); ++d) all.push_back(d);
@@ -15139,62 +15424,6 @@ class train_state {
     refresh_compute_copies();
   }
 
-  // A mesh axis is pipelined by a `pipeline` policy, never by its name: the state's pipeline axis
-  // with more than one device and no policy for it would otherwise replicate the whole model over
-  // it silently (every stage's worth of devices computing the same thing), so it is refused with
-  // the fix. (An axis a data_parallel or fully_shard policy names is theirs: `pipeline_axes` is 0.)
-  void refuse_unpipelined_axis() const {
-    if constexpr (pipeline_axes != 0) {
-      const std::size_t n = mesh.axes_size(pipeline_axes);
-      if (!policies_.pipe && n > 1) {
-        const std::string name(detail::text_of(Pipe));
-        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
-                             " devices but no pipeline policy was given; an axis is pipelined only by a policy, "
-                             "not by its name: pass meshlib::nn::pipeline<\"" + name +
-                             "\">{} (with .microbatches and .schedule) to the train_state, or make the axis size 1");
-      }
-    }
-  }
-  // Nor does an axis split the batch or shard the parameters by its name: the state's second
-  // batch axis `Fsdp` ("fsdp" by default) with more than one device is refused unless a policy
-  // names it (`fully_shard<Fsdp>`, `data_parallel<Data, Fsdp>`, or `data_parallel<Fsdp>` itself),
-  // rather than split the batch over an axis the user never gave a role.
-  void refuse_unclaimed_fsdp_axis() const {
-    if constexpr (fsdp_axes != 0 && detail::text_of(Fsdp) != detail::text_of(Data)) {
-      const std::size_t n = mesh.axes_size(fsdp_axes);
-      if (!policies_.fsdp && !policies_.data_over_fsdp && n > 1) {
-        const std::string name(detail::text_of(Fsdp)), data(detail::text_of(Data));
-        throw sharding_error("meshlib::nn: train_state: the mesh's '" + name + "' axis has " + std::to_string(n) +
-                             " devices but no policy names it; an axis splits the batch or shards the parameters "
-                             "only by a policy, not by its name: pass meshlib::nn::fully_shard<\"" + name +
-                             "\">{} (parameters, gradients and optimizer state sharded over it, the batch split over "
-                             "it) or meshlib::nn::data_parallel<\"" + data + "\", \"" + name +
-                             "\">{} (the batch only) to the train_state, or make the axis size 1");
-      }
-    }
-  }
-  // data_parallel's overlap starts each gradient bucket from the layer hooks a `sequential` calls
-  // during its backward (nn/parallel/grad_overlap.hpp). Where no hook would start them, a model that
-  // is not a `sequential` or a pipelined step (which synchronises after the schedule's last
-  // backward, nn/parallel/pipeline_run.hpp), `.overlap = true` would do nothing: refused, with the
-  // fix, rather than ignored. (ZeRO-1 with overlap: `refuse_clashes`. The overlap is a value, not a
-  // type, so this is a run-time check.)
-  void refuse_ignored_overlap() const {
-    if (!policies_.data.overlap) return;
-    const std::string dp = "data_parallel<\"" + std::string(detail::text_of(Data)) + "\">{.overlap = true}";
-    if constexpr (!detail::sequential_model<Model>) {
-      throw sharding_error("meshlib::nn: train_state: " + dp + " on a model that is not an nn::sequential: the "
-                           "overlap starts each gradient bucket from the hooks sequential calls after each layer's "
-                           "backward, and this model has none; wrap the layers in nn::sequential or drop .overlap");
-    } else if constexpr (pipeline_axes != 0) {
-      const std::size_t n = mesh.axes_size(pipeline_axes);
-      if (policies_.pipe && n > 1)
-        throw sharding_error("meshlib::nn: train_state: " + dp + " with pipeline<\"" + std::string(detail::text_of(Pipe)) +
-                             "\"> over " + std::to_string(n) + " stages: a pipelined step synchronises the gradients "
-                             "after its schedule's last backward, not from the layer hooks, so there is nothing to "
-                             "overlap; drop .overlap (or the pipeline)");
-    }
-  }
   // An optimizer that reads whole parameters (`adafactor`) on a parameter its layer splits over an
   // axis that is not a model axis: refused here, before any step, with the fix. Tensor-parallel
   // blocks, FSDP's shards and ZeRO-1's runs are fine: the transforms sum their statistics over a
@@ -15210,47 +15439,6 @@ class train_state {
       if ((p.sharded_axes & ~model_axes) != 0)
         throw bad("parameter '" + p.name + "' is sharded " + p.sharding + " over a data or pipeline axis",
                   "shard it over model (tensor-parallel) axes only, or replicate it");
-  }
-  /// The policies `ps`, after their compile-time checks and the run-time checks of their values.
-  template <class... Ps>
-  static policy_set collect_policies(const Ps&... ps) {
-    detail::check_policies<Mesh, Model, Data, Fsdp, Pipe, Ps...>();
-    policy_set set;
-    (keep_policy(set, ps), ...);
-    (refuse_clashes<Ps...>(ps), ...);
-    return set;
-  }
-  /// Throws when `p` asks for what another of the policies `Ps` already does (or undoes): ZeRO-1
-  /// beside `fully_shard` (which shards the optimizer state itself), overlap with ZeRO-1 (whose
-  /// reduce-scatter runs after the backward). Values, not types: checked at construction.
-  template <class... Ps, class P>
-  static void refuse_clashes(const P& p) {
-    if constexpr (P::kind == parallelism::data) {
-      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) + "\">";
-      if constexpr (detail::policy_count_v<parallelism::fully_sharded, Ps...> != 0)
-        if (p.zero == 1)
-          throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1} and fully_shard<\"" +
-                               std::string(detail::text_of(Fsdp)) + "\"> both shard the optimizer state; fully_shard "
-                               "already shards it (over '" + std::string(detail::text_of(Fsdp)) + "', the " + dp +
-                               " axis holding replicas of the shards: HSDP): drop .zero");
-      if (p.zero == 1 && p.overlap)
-        throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1, .overlap = true}: ZeRO-1 reduce-scatters "
-                             "the gradients after the backward, so there is nothing to overlap; drop .overlap (or .zero)");
-    }
-  }
-  // Each policy into its slot. (A policy over another axis than the state's has already fired
-  // `check_policies`' one static_assert: it is not kept, so that no second error follows. One
-  // function over the policy's type: nvcc 13's front end deduces no `fixed_string A` from
-  // `data_parallel<A>`.)
-  template <class P>
-  static void keep_policy(policy_set& set, const P& p) {
-    if constexpr (std::is_same_v<P, data_parallel<Data>>) {
-      set.data = p;
-    } else if constexpr (std::is_same_v<P, data_parallel<Data, Fsdp>>) {
-      set.data = data_parallel<Data>{.zero = p.zero, .overlap = p.overlap, .bucket_elements = p.bucket_elements};
-      set.data_over_fsdp = true;
-    } else if constexpr (std::is_same_v<P, fully_shard<Fsdp>>) set.fsdp = p;
-    else if constexpr (std::is_same_v<P, nn::pipeline<Pipe>>) set.pipe = p;
   }
   void unscale(T* g, std::size_t n) const noexcept { scaler_.unscale(g, n); }
   void refresh_device(std::size_t dev) {

@@ -62,17 +62,6 @@ consteval bool backward_cotangent_type_differs_from_input() {
   return false;
 }
 
-/// What the diagnostic above shows of `A` beside `B`: their layouts where those differ, else the types.
-template <class A, class B>
-struct cotangent_diagnostic {
-  using type = A;
-};
-template <local_tensor_type A, local_tensor_type B>
-  requires(!std::is_same_v<meshlib::diagnostic::value_t<A>, meshlib::diagnostic::value_t<B>>)
-struct cotangent_diagnostic<A, B> {
-  using type = meshlib::diagnostic::value_t<A>;
-};
-
 /// True when the backward of layer `I` (of type `L`) returned `DX`, its input's type `In`; otherwise
 /// fires the one diagnostic, naming the layer and both layouts.
 template <std::size_t I, class L, class In, class DX>
@@ -81,8 +70,8 @@ consteval bool check_cotangent_type() {
     return true;
   else
     return backward_cotangent_type_differs_from_input<meshlib::diagnostic::layer<I, typename layer_diagnostic_name<L>::type>,
-                                                      typename cotangent_diagnostic<In, DX>::type,
-                                                      typename cotangent_diagnostic<DX, In>::type>();
+                                                      typename diagnostic_of<In, DX>::type,
+                                                      typename diagnostic_of<DX, In>::type>();
 }
 
 /// Whether `sequential` fuses the backward of `Above`, an elementwise activation, with that of

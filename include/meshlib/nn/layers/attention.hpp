@@ -40,6 +40,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/nn/buffers.hpp"
@@ -126,29 +127,38 @@ class causal_self_attention {
   template <local_tensor_type X>
   auto forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"causal_self_attention.forward", "x", X>());
-    const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
-    detail::check_whole_sequences(to_string(), rows, seq, dev);
-    auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
-    using H = decltype(y);    // features sharded over Model: the layout of the heads' outputs too
-    const std::size_t hl = heads_ / x.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
-    saved_[dev] = {rows, seq, true};
-    // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
-    T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
-    const T* yp = y.data();
-    detail::split_heads<default_memory_space>(qh, yp, rows, hl, hd);
-    T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
-    T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
-    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    // One batch of hl * nb products each (a strided-batched cuBLAS call on a GPU): S = scale Q K^T, O = P V.
-    const std::size_t g = hl * nb;
-    matmul_into(view3(p, g, seq, seq), cview3(part(qh, 0, hl, rows, hd), g, seq, hd), cview3(part(qh, 1, hl, rows, hd), g, seq, hd),
-                {.transpose_b = true, .alpha = scale});
-    detail::causal_softmax<default_memory_space>(p, hl * nb * seq, seq);
-    matmul_into(view3(oh, g, seq, hd), cview3(p, g, seq, seq), cview3(part(qh, 2, hl, rows, hd), g, seq, hd));
-    T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
-    const T* ohp = oh;
-    detail::merge_heads<default_memory_space>(oc, ohp, rows, hl, hd);
-    return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(
+          detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), rows = x.extent(0), seq = seq_;
+      detail::check_whole_sequences(to_string(), rows, seq, dev);
+      auto y = qkv.forward(x);  // checks the width; (rows, 3 * local heads * head_dim)
+      using H = decltype(y);    // features sharded over Model: the layout of the heads' outputs too
+      const std::size_t hl = heads_ / x.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+      saved_[dev] = {rows, seq, true};
+      // [q, k, v][local head][token][head_dim]: each (sequence, head) block contiguous, for the products.
+      T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+      const T* yp = y.data();
+      detail::split_heads<default_memory_space>(qh, yp, rows, hl, hd);
+      T* p = probs_.get(dev, hl * nb * seq * seq);  // [head][sequence][i][j]
+      T* oh = oh_.get(dev, hl * rows * hd);         // [head][token][head_dim]
+      const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+      // One batch of hl * nb products each (a strided-batched cuBLAS call on a GPU): S = scale Q K^T, O = P V.
+      const std::size_t g = hl * nb;
+      matmul_into(view3(p, g, seq, seq), cview3(part(qh, 0, hl, rows, hd), g, seq, hd), cview3(part(qh, 1, hl, rows, hd), g, seq, hd),
+                  {.transpose_b = true, .alpha = scale});
+      detail::causal_softmax<default_memory_space>(p, hl * nb * seq, seq);
+      matmul_into(view3(oh, g, seq, hd), cview3(p, g, seq, seq), cview3(part(qh, 2, hl, rows, hd), g, seq, hd));
+      T* oc = ocat_.get(dev, rows * hl * hd);  // (token, [head][head_dim]): the output projection's input
+      const T* ohp = oh;
+      detail::merge_heads<default_memory_space>(oc, ohp, rows, hl, hd);
+      return proj.forward(detail::wrap2<H>(oc, rows, hl * hd, x.mesh(), dev));
+    }
   }
 
   /// The cotangent of the input (when `need_dx`); accumulates the projections' gradients.
@@ -156,37 +166,42 @@ class causal_self_attention {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool need_dx = true) {
     static_cast<void>(require_kernel_can_read<"causal_self_attention.backward", "dy", DY>());
-    const std::size_t dev = dy.device();
-    if (!saved_[dev].ran)
-      throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
-                           " before any forward there; run forward first (backward uses what it saved)");
-    const std::size_t rows = saved_[dev].rows, seq = saved_[dev].seq;  // the forward's, whatever was set since
-    auto dout = proj.backward(dy, true);  // checks dy; (rows, local heads * head_dim)
-    using H = decltype(dout);
-    const std::size_t hl = heads_ / dy.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
-    const T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
-    const T* p = probs_.get(dev, hl * nb * seq * seq);
-    T* doh = doh_.get(dev, hl * rows * hd);
-    const T* dop = dout.data();
-    detail::unmerge_heads<default_memory_space>(doh, dop, rows, hl, hd);
-    T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
-    T* dp = dprobs_.get(dev, hl * nb * seq * seq);
-    const std::size_t g = hl * nb;
-    const auto pb = cview3(p, g, seq, seq);
-    const auto dob = cview3(doh, g, seq, hd);
-    // dV = P^T dO; dP = dO V^T (each a batch over heads and sequences)
-    matmul_into(view3(part(dqh, 2, hl, rows, hd), g, seq, hd), pb, dob, {.transpose_a = true});
-    matmul_into(view3(dp, g, seq, seq), dob, cview3(part(qh, 2, hl, rows, hd), g, seq, hd), {.transpose_b = true});
-    detail::causal_softmax_backward<default_memory_space>(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
-    const auto dsb = cview3(dp, g, seq, seq);
-    // dQ = dS K; dK = dS^T Q (dS already holds the scale)
-    matmul_into(view3(part(dqh, 0, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 1, hl, rows, hd), g, seq, hd));
-    matmul_into(view3(part(dqh, 1, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 0, hl, rows, hd), g, seq, hd),
-                {.transpose_a = true});
-    T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
-    const T* dqhp = dqh;
-    detail::unsplit_heads<default_memory_space>(dq, dqhp, rows, hl, hd);
-    return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      if (!saved_[dev].ran)
+        throw sharding_error("meshlib::nn: " + to_string() + ".backward ran on device " + std::to_string(dev) +
+                             " before any forward there; run forward first (backward uses what it saved)");
+      const std::size_t rows = saved_[dev].rows, seq = saved_[dev].seq;  // the forward's, whatever was set since
+      auto dout = proj.backward(dy, true);  // checks dy; (rows, local heads * head_dim)
+      using H = decltype(dout);
+      const std::size_t hl = heads_ / dy.mesh().axes_size(model_mask), hd = in_features() / heads_, nb = rows / seq;
+      const T* qh = qkvh_.get(dev, 3 * hl * rows * hd);
+      const T* p = probs_.get(dev, hl * nb * seq * seq);
+      T* doh = doh_.get(dev, hl * rows * hd);
+      const T* dop = dout.data();
+      detail::unmerge_heads<default_memory_space>(doh, dop, rows, hl, hd);
+      T* dqh = dqkvh_.get(dev, 3 * hl * rows * hd);  // [dq, dk, dv][head][token][head_dim]
+      T* dp = dprobs_.get(dev, hl * nb * seq * seq);
+      const std::size_t g = hl * nb;
+      const auto pb = cview3(p, g, seq, seq);
+      const auto dob = cview3(doh, g, seq, hd);
+      // dV = P^T dO; dP = dO V^T (each a batch over heads and sequences)
+      matmul_into(view3(part(dqh, 2, hl, rows, hd), g, seq, hd), pb, dob, {.transpose_a = true});
+      matmul_into(view3(dp, g, seq, seq), dob, cview3(part(qh, 2, hl, rows, hd), g, seq, hd), {.transpose_b = true});
+      detail::causal_softmax_backward<default_memory_space>(p, dp, hl * nb * seq, seq, static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd))));
+      const auto dsb = cview3(dp, g, seq, seq);
+      // dQ = dS K; dK = dS^T Q (dS already holds the scale)
+      matmul_into(view3(part(dqh, 0, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 1, hl, rows, hd), g, seq, hd));
+      matmul_into(view3(part(dqh, 1, hl, rows, hd), g, seq, hd), dsb, cview3(part(qh, 0, hl, rows, hd), g, seq, hd),
+                  {.transpose_a = true});
+      T* dq = dqkv_.get(dev, rows * 3 * hl * hd);  // back to the fused projection's column order
+      const T* dqhp = dqh;
+      detail::unsplit_heads<default_memory_space>(dq, dqhp, rows, hl, hd);
+      return qkv.backward(detail::wrap2<H>(dq, rows, 3 * hl * hd, dy.mesh(), dev), need_dx);
+    }
   }
 
   /// Appends the projections' parameters to `out`: `.qkv.w`, `.qkv.b`, `.out.w`, `.out.b`.

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/nn/buffers.hpp"
@@ -45,6 +46,14 @@ class dropout {
     return name_ + " (dropout " + detail::number_text(rate_) + ")";
   }
 
+  /// A rank-2 block (rows, features), of any layout: the mask is a function of the global element.
+  template <class X>
+  static constexpr bool accepts_input = X::rank == 2;
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::diagnostic::op_t<"dropout">;
+  /// @copydoc diagnostic_name
+  using input_requirement = diagnostic::rank<2>;
+
   /// The step's key and mode (called by `sequential::begin_step` before the devices run).
   void begin_step(rng_key key, bool train) {
     key_ = key.fold_in(id_);
@@ -55,20 +64,29 @@ class dropout {
   template <local_tensor_type X>
   X forward(const X& x) {
     static_cast<void>(require_kernel_can_read<"dropout.forward", "x", X>());
-    const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
-    if (!train_ || rate_ <= 0.0f) return x;
-    shape_[dev] = {rows, cols, true};
-    const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
-    const std::size_t gcols = x.global_extent(1);
-    T* mask = mask_.get(dev, rows * cols);
-    T* y = out_.get(dev, rows * cols);
-    const T keep = T{1} / static_cast<T>(1.0f - rate_);
-    const T* xp = x.data();
-    const rng_key key = key_;
-    const float rate = rate_;
-    // One work item per row (the row's global index is computed once, as in the loop).
-    detail::dropout_forward<default_memory_space>(y, mask, xp, rows, cols, r0, c0, gcols, key, rate, keep);
-    return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(
+          detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), rows = x.extent(0), cols = x.extent(1);
+      if (!train_ || rate_ <= 0.0f) return x;
+      shape_[dev] = {rows, cols, true};
+      const std::size_t r0 = detail::global_offset(x, 0), c0 = detail::global_offset(x, 1);
+      const std::size_t gcols = x.global_extent(1);
+      T* mask = mask_.get(dev, rows * cols);
+      T* y = out_.get(dev, rows * cols);
+      const T keep = T{1} / static_cast<T>(1.0f - rate_);
+      const T* xp = x.data();
+      const rng_key key = key_;
+      const float rate = rate_;
+      // One work item per row (the row's global index is computed once, as in the loop).
+      detail::dropout_forward<default_memory_space>(y, mask, xp, rows, cols, r0, c0, gcols, key, rate, keep);
+      return X(typename X::view_type(y, rows, cols), x.mesh(), dev);
+    }
   }
 
   /// Applies the forward step's mask to the cotangent `dy`; the second argument (need_dx) is ignored.
@@ -76,15 +94,20 @@ class dropout {
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"dropout.backward", "dy", DY>());
-    if (!train_ || rate_ <= 0.0f) return dy;
-    const std::size_t dev = dy.device(), n = dy.size();
-    const auto [rows, cols, ran] = shape_[dev];
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
-    const T* mask = mask_.get(dev, n);
-    T* dx = dx_.get(dev, n);
-    const T* d = dy.data();
-    detail::multiply_values<default_memory_space>(dx, d, mask, n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      if (!train_ || rate_ <= 0.0f) return dy;
+      const std::size_t dev = dy.device(), n = dy.size();
+      const auto [rows, cols, ran] = shape_[dev];
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ran, rows, cols);
+      const T* mask = mask_.get(dev, n);
+      T* dx = dx_.get(dev, n);
+      const T* d = dy.data();
+      detail::multiply_values<default_memory_space>(dx, d, mask, n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// Adds nothing: dropout has no parameters.

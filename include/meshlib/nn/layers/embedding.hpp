@@ -51,12 +51,17 @@
 namespace meshlib::nn {
 
 namespace detail {
-template <class Layer, class ModelAxis, class Ids>
-consteval bool embedding_ids_not_replicated() {
-  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Ids>,
-                "meshlib::nn: embedding: the ids must be complete and replicated over the model axis (every device "
-                "of a model group looks up the same tokens in its own vocabulary range; the condition spells out the "
-                "layer, its model axis and the ids' layout): shard the ids over the data axis only");
+/// The one error of `embedding::forward` given ids it cannot take: not a rank-1 tensor of
+/// `std::int32_t`, or not complete and replicated over the model axis.
+template <class Layer, class ModelAxis, class Ids, class Id>
+consteval bool embedding_ids_do_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, ModelAxis, Ids, Id>,
+                "meshlib::nn: embedding: the ids must be complete and replicated over the model axis, one "
+                "std::int32_t per token in a rank-1 tensor (every device of a model group looks up the same tokens "
+                "in its own vocabulary range; the condition spells out the layer, its model axis, the ids' layout "
+                "(one dims<...> entry per dimension) and their element type): shard the ids over the data axis "
+                "only, flatten (batch, sequence) ids to batch * sequence (sequence-major) and convert them to "
+                "std::int32_t");
   return false;
 }
 }  // namespace detail
@@ -120,12 +125,9 @@ class embedding {
   template <local_tensor_type Ids>
   output_t<Ids> forward(const Ids& ids) {
     static_cast<void>(require_kernel_can_read<"embedding.forward", "ids", Ids>());
-    static_assert(std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1,
-                  "meshlib::nn: embedding takes the token ids as a rank-1 tensor of std::int32_t");
     if constexpr (!accepts_input<Ids>) {
-      if constexpr (std::is_same_v<typename Ids::value_type, std::int32_t> && Ids::rank == 1)
-        static_cast<void>(detail::embedding_ids_not_replicated<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
-                                                               meshlib::diagnostic::value_t<Ids>>());
+      static_cast<void>(detail::embedding_ids_do_not_fit<diagnostic_name, meshlib::diagnostic::axis_t<Model>,
+                                                         meshlib::diagnostic::value_t<Ids>, typename Ids::value_type>());
       return {};  // the one diagnostic above has fired; nothing else may
     } else {
       using Z = with_partial_t<output_t<Ids>, model_mask>;  // this device's share: zeros outside its range
@@ -151,19 +153,24 @@ class embedding {
   template <local_tensor_type DY>
   auto backward(const DY& dy, bool = true) {
     static_cast<void>(require_kernel_can_read<"embedding.backward", "dy", DY>());
-    using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
-    const std::size_t dev = dy.device();
-    const auto [ids, rows] = saved_[dev];
-    const auto tl = table.local(dev);
-    const std::size_t vl = tl.extent(0), d = tl.extent(1);
-    detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
-    const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
-    T* g = table.grad.local(dev).data();
-    const T* dyp = dy.data();
-    const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
-    const std::size_t n = rows;
-    detail::scatter_add_rows<default_memory_space>(g, dyp, id, n, d, v0, vl);
-    return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      using Ids = rebind_local_t<DY, std::int32_t, 1, DY::vary, 0, dim_masks<DY::dims_type::at(0)>>;
+      const std::size_t dev = dy.device();
+      const auto [ids, rows] = saved_[dev];
+      const auto tl = table.local(dev);
+      const std::size_t vl = tl.extent(0), d = tl.extent(1);
+      detail::check_output_cotangent(to_string(), dev, dy.extent(0), dy.extent(1), ids != nullptr, rows, d);
+      const std::size_t v0 = dy.mesh().group_rank(dev, model_mask) * vl;
+      T* g = table.grad.local(dev).data();
+      const T* dyp = dy.data();
+      const std::int32_t* id = ids;  // copies: Clang before 16 cannot capture a structured binding
+      const std::size_t n = rows;
+      detail::scatter_add_rows<default_memory_space>(g, dyp, id, n, d, v0, vl);
+      return Ids(typename Ids::view_type(const_cast<std::int32_t*>(ids), rows), dy.mesh(), dev);
+    }
   }
 
   /// Appends the table to `out` (for the optimizer and gradient sync).

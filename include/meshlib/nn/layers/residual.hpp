@@ -30,6 +30,15 @@
 #include "meshlib/tensor/local_tensor.hpp"
 #include "meshlib/tensor/view.hpp"
 
+namespace meshlib::diagnostic {
+/// A `residual`'s main branch, of kind `Kind` (an `op` naming it, or the layer's type).
+template <class Kind>
+struct main_branch {};
+/// A `residual`'s shortcut branch, of kind `Kind`.
+template <class Kind>
+struct shortcut_branch {};
+}  // namespace meshlib::diagnostic
+
 namespace meshlib::nn {
 
 /// @brief The identity layer: returns its input, and the cotangent unchanged.
@@ -52,6 +61,30 @@ struct identity {
 };
 
 namespace detail {
+template <class Residual, class Branch, class Input, class Returns>
+consteval bool residual_branch_returns_another_type() {
+  static_assert(meshlib::diagnostic::always_false<Residual, Branch, Input, Returns>,
+                "meshlib::nn: residual: both branches must return their input's type (same sharding, vary and "
+                "partial; in backward, the input's cotangent) so their sum is elementwise: the condition spells out "
+                "residual_branch_returns_another_type<residual, the branch (main_branch or shortcut_branch, its kind), "
+                "the input's layout, what the branch returns> (the whole types where the layouts agree). End the "
+                "branch with a layer that returns its input's sharding (a row_dense after a column_dense), or psum "
+                "or reshard inside the branch");
+  return false;
+}
+
+/// True when a residual's branch `Branch` (`main_branch<kind>` / `shortcut_branch<kind>`) given `In`
+/// returned `Out`, its input's type; otherwise fires the one diagnostic naming the branch and both layouts.
+template <class Branch, class In, class Out>
+consteval bool check_branch_type() {
+  if constexpr (std::is_same_v<In, Out>)
+    return true;
+  else
+    return residual_branch_returns_another_type<meshlib::diagnostic::op_t<"residual">, Branch,
+                                                typename diagnostic_of<In, Out>::type,
+                                                typename diagnostic_of<Out, In>::type>();
+}
+
 /// `l.backward(dy, need_dx)`, telling a `sequential` (whose backward names its input type) that its
 /// input had `dy`'s type: a residual's branches take and return the same type.
 template <class L, class DY>
@@ -111,9 +144,13 @@ class residual {
   }
   /// `"residual"`, as messages name it.
   [[nodiscard]] std::string name() const { return "residual"; }
-  /// What the main branch accepts.
+  /// What both branches accept.
   template <class X>
   static constexpr bool accepts_input = detail::layer_accepts<Main, X>() && detail::layer_accepts<Shortcut, X>();
+  /// For compile-time messages.
+  using diagnostic_name = meshlib::diagnostic::op_t<"residual">;
+  /// What the main branch needs (`sequential`'s message when a residual cannot take its input).
+  using input_requirement = typename detail::layer_input_requirement<Main>::type;
 
   /// Passes the step's key and mode to both branches (batch norm and dropout read them).
   void begin_step(rng_key key, bool train) {
@@ -125,44 +162,50 @@ class residual {
   /// @throws sharding_error when the branches return blocks of different shapes.
   template <local_tensor_type X>
   X forward(const X& x) {
-    const auto h = main.forward(x);
-    const auto s = shortcut.forward(x);
-    static_assert(std::is_same_v<std::remove_cvref_t<decltype(h)>, X> && std::is_same_v<std::remove_cvref_t<decltype(s)>, X>,
-                  "meshlib::nn: residual: both branches must return their input's type (same sharding, vary and "
-                  "partial) so their sum is elementwise; reshard or psum inside the branch");
-    const std::size_t dev = x.device();
-    if (h.extent(0) != s.extent(0) || h.extent(1) != s.extent(1))
-      throw sharding_error("meshlib::nn: residual: on device " + std::to_string(dev) + " the main branch returned (" +
-                           std::to_string(h.extent(0)) + ", " + std::to_string(h.extent(1)) + ") and the shortcut (" +
-                           std::to_string(s.extent(0)) + ", " + std::to_string(s.extent(1)) +
-                           "); the branches must return the same shape");
-    const std::size_t n = h.size();
-    rows_[dev] = {h.extent(0), h.extent(1), true};
-    T* y = out_.get(dev, n);
-    const T* hp = h.data();
-    const T* sp = s.data();
-    detail::sum_values<default_memory_space>(y, hp, sp, n);
-    return X(typename X::view_type(y, h.extent(0), h.extent(1)), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const auto h = main.forward(x);
+      const auto s = shortcut.forward(x);
+      using H = std::remove_cvref_t<decltype(h)>;
+      using S = std::remove_cvref_t<decltype(s)>;
+      if constexpr (!detail::check_branch_type<main_branch_t, X, H>() ||
+                    !detail::check_branch_type<shortcut_branch_t, X, S>())
+        return x;  // the one diagnostic has fired; nothing else may
+      else
+        return sum(h, s);
+    }
   }
 
   /// The sum of both branches' input cotangents (when `need_dx`; otherwise unspecified contents).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool need_dx = true) {
-    const std::size_t dev = dy.device();
-    detail::check_output_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran,
-                               rows_[dev].rows, rows_[dev].cols);
-    const auto dm = detail::branch_backward(main, dy, need_dx);
-    const auto ds = detail::branch_backward(shortcut, dy, need_dx);
-    static_assert(std::is_same_v<std::remove_cvref_t<decltype(dm)>, DY> && std::is_same_v<std::remove_cvref_t<decltype(ds)>, DY>,
-                  "meshlib::nn: residual: both branches' backward must return the input's type");
-    const std::size_t n = dm.size();
-    T* dx = dx_.get(dev, n);
-    if (need_dx) {
-      const T* a = dm.data();
-      const T* b = ds.data();
-      detail::sum_values<default_memory_space>(dx, a, b, n);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device();
+      detail::check_output_cotangent("residual", dev, dy.extent(0), dy.extent(1), rows_[dev].ran, rows_[dev].rows,
+                                     rows_[dev].cols);
+      const auto dm = detail::branch_backward(main, dy, need_dx);
+      const auto ds = detail::branch_backward(shortcut, dy, need_dx);
+      using DM = std::remove_cvref_t<decltype(dm)>;
+      using DS = std::remove_cvref_t<decltype(ds)>;
+      if constexpr (!detail::check_branch_type<main_branch_t, DY, DM>() ||
+                    !detail::check_branch_type<shortcut_branch_t, DY, DS>()) {
+        return dy;  // the one diagnostic has fired; nothing else may
+      } else {
+        const std::size_t n = dm.size();
+        T* dx = dx_.get(dev, n);
+        if (need_dx) {
+          const T* a = dm.data();
+          const T* b = ds.data();
+          detail::sum_values<default_memory_space>(dx, a, b, n);
+        }
+        return DY(typename DY::view_type(dx, dm.extent(0), dm.extent(1)), dy.mesh(), dev);
+      }
     }
-    return DY(typename DY::view_type(dx, dm.extent(0), dm.extent(1)), dy.mesh(), dev);
   }
 
   /// Appends the main branch's parameters, then the shortcut's.
@@ -177,6 +220,27 @@ class residual {
   }
 
  private:
+  using main_branch_t = meshlib::diagnostic::main_branch<typename detail::layer_diagnostic_name<Main>::type>;
+  using shortcut_branch_t = meshlib::diagnostic::shortcut_branch<typename detail::layer_diagnostic_name<Shortcut>::type>;
+
+  /// `h + s` into the residual's buffer, after checking that the branches' blocks have one shape.
+  template <class X>
+  X sum(const X& h, const X& s) {
+    const std::size_t dev = h.device();
+    if (h.extent(0) != s.extent(0) || h.extent(1) != s.extent(1))
+      throw sharding_error("meshlib::nn: residual: on device " + std::to_string(dev) + " the main branch returned (" +
+                           std::to_string(h.extent(0)) + ", " + std::to_string(h.extent(1)) + ") and the shortcut (" +
+                           std::to_string(s.extent(0)) + ", " + std::to_string(s.extent(1)) +
+                           "); the branches must return the same shape");
+    const std::size_t n = h.size();
+    rows_[dev] = {h.extent(0), h.extent(1), true};
+    T* y = out_.get(dev, n);
+    const T* hp = h.data();
+    const T* sp = s.data();
+    detail::sum_values<default_memory_space>(y, hp, sp, n);
+    return X(typename X::view_type(y, h.extent(0), h.extent(1)), h.mesh(), dev);
+  }
+
   struct shape {
     std::size_t rows = 0, cols = 0;
     bool ran = false;

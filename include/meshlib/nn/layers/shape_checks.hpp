@@ -47,6 +47,13 @@ struct rows_sharded_over {};
 /// A layer's need: values that are not a pending sum (an elementwise map of a sum is not the sum
 /// of the maps).
 struct complete_values {};
+/// A layer's need: values that do not vary over `Axes` (the same on every device of them):
+/// `transformer_block` adds its input to the attention's output, which a psum over them completes.
+template <class Axes>
+struct replicated_over {};
+/// A layer's need: a block of rank `R` (`dropout`: rank 2, rows and features).
+template <std::size_t R>
+struct rank {};
 }  // namespace meshlib::diagnostic
 
 namespace meshlib::nn::detail {
@@ -177,6 +184,34 @@ consteval bool layer_input_element_type_differs() {
                 "input's element type>; declare the layer with the input's element type, or give it values of its own");
   return false;
 }
+
+/// The one error of a layer's `forward` given an input it cannot take, for the layers whose fix is
+/// said by what they need (`Needs`, their `input_requirement`) and no error of their own: `Layer`
+/// is its `diagnostic_name`, `Receives` the input's layout (`diagnostic::value_t`).
+template <class Layer, class Receives, class Needs>
+consteval bool layer_input_does_not_fit() {
+  static_assert(meshlib::diagnostic::always_false<Layer, Receives, Needs>,
+                "meshlib::nn: the layer cannot take this input: the condition spells out layer_input_does_not_fit<"
+                "the layer, the input's layout (one dims<...> entry per dimension), what it needs>. "
+                "features_sharded_over<axes<>>: a rank-2 block (tokens, features) of the layer's mesh whose features "
+                "are complete and unsharded and not a pending sum (all_gather or psum them first; a batch of "
+                "sequences is batch * sequence rows, sequence-major); replicated_over<axes<...>>: values that do not vary "
+                "over those axes (the layout's vary<...> names none of them; do not pvary the input over them); "
+                "rank<2>: a rank-2 block (rows, features)");
+  return false;
+}
+
+/// What a diagnostic that compares two tensor types shows of `A` beside `B`: their layouts where
+/// those differ, else the whole types (`sequential`'s cotangent check, `residual`'s branches).
+template <class A, class B>
+struct diagnostic_of {
+  using type = A;
+};
+template <local_tensor_type A, local_tensor_type B>
+  requires(!std::is_same_v<meshlib::diagnostic::value_t<A>, meshlib::diagnostic::value_t<B>>)
+struct diagnostic_of<A, B> {
+  using type = meshlib::diagnostic::value_t<A>;
+};
 
 // ---- the one compile-time error of sequential ------------------------------------------------------
 

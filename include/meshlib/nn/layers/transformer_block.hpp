@@ -32,6 +32,7 @@
 #include "meshlib/nn/layers/attention.hpp"
 #include "meshlib/nn/layers/dense.hpp"
 #include "meshlib/nn/layers/layer_norm.hpp"
+#include "meshlib/nn/layers/shape_checks.hpp"
 #include "meshlib/nn/parameter.hpp"
 
 namespace meshlib::nn {
@@ -90,31 +91,52 @@ class transformer_block {
   /// `h = x + attn(ln1(x))`, then `h + fc2(gelu(fc1(ln2(h))))`.
   template <local_tensor_type X>
   X forward(const X& x) {
-    const std::size_t dev = x.device(), n = x.size();
-    auto a = attn.forward(ln1.forward(x));
-    static_assert(std::is_same_v<decltype(a), X>, "meshlib::nn: transformer_block: the attention returns its input's type");
-    T* h = h_.get(dev, n);
-    detail::sum_values<default_memory_space>(h, x.data(), a.data(), n);
-    const X hx(typename X::view_type(h, x.extent(0), x.extent(1)), x.mesh(), dev);
-    auto m = fc2.forward(act.forward(fc1.forward(ln2.forward(hx))));
-    T* y = y_.get(dev, n);
-    detail::sum_values<default_memory_space>(y, h, m.data(), n);
-    return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    if constexpr (!std::is_same_v<typename X::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename X::value_type>());
+      return x;  // the one diagnostic above has fired; nothing else may
+    } else if constexpr (!accepts_input<X>) {
+      static_cast<void>(
+          detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, input_requirement>());
+      return x;
+    } else if constexpr ((X::vary & causal_self_attention<T, Mesh, Model>::model_mask) != 0) {
+      // The attention's output is the same on every device of the model axis, the input is not: no sum.
+      using needs = diagnostic::replicated_over<
+          meshlib::diagnostic::axes_t<Mesh, causal_self_attention<T, Mesh, Model>::model_mask>>;
+      static_cast<void>(detail::layer_input_does_not_fit<diagnostic_name, meshlib::diagnostic::value_t<X>, needs>());
+      return x;
+    } else {
+      const std::size_t dev = x.device(), n = x.size();
+      auto a = attn.forward(ln1.forward(x));
+      // Holds once the checks above pass (an internal invariant, not a user error).
+      static_assert(std::is_same_v<decltype(a), X>, "meshlib::nn: transformer_block: the attention returns its input's type");
+      T* h = h_.get(dev, n);
+      detail::sum_values<default_memory_space>(h, x.data(), a.data(), n);
+      const X hx(typename X::view_type(h, x.extent(0), x.extent(1)), x.mesh(), dev);
+      auto m = fc2.forward(act.forward(fc1.forward(ln2.forward(hx))));
+      T* y = y_.get(dev, n);
+      detail::sum_values<default_memory_space>(y, h, m.data(), n);
+      return X(typename X::view_type(y, x.extent(0), x.extent(1)), x.mesh(), dev);
+    }
   }
 
   /// The cotangent of the input (`need_dx` is passed to the first product, whose input is `ln1`'s
   /// output, so the cotangent is always computed: the residual needs it).
   template <local_tensor_type DY>
   DY backward(const DY& dy, bool = true) {
-    const std::size_t dev = dy.device(), n = dy.size();
-    auto dm = ln2.backward(fc1.backward(act.backward(fc2.backward(dy, true)), true));
-    T* dh = dh_.get(dev, n);
-    detail::sum_values<default_memory_space>(dh, dy.data(), dm.data(), n);
-    const DY dhx(typename DY::view_type(dh, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
-    auto da = ln1.backward(attn.backward(dhx, true));
-    T* dx = dx_.get(dev, n);
-    detail::sum_values<default_memory_space>(dx, dh, da.data(), n);
-    return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    if constexpr (!std::is_same_v<typename DY::value_type, T>) {
+      static_cast<void>(detail::layer_input_element_type_differs<diagnostic_name, T, typename DY::value_type>());
+      return dy;  // the one diagnostic above has fired; nothing else may
+    } else {
+      const std::size_t dev = dy.device(), n = dy.size();
+      auto dm = ln2.backward(fc1.backward(act.backward(fc2.backward(dy, true)), true));
+      T* dh = dh_.get(dev, n);
+      detail::sum_values<default_memory_space>(dh, dy.data(), dm.data(), n);
+      const DY dhx(typename DY::view_type(dh, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+      auto da = ln1.backward(attn.backward(dhx, true));
+      T* dx = dx_.get(dev, n);
+      detail::sum_values<default_memory_space>(dx, dh, da.data(), n);
+      return DY(typename DY::view_type(dx, dy.extent(0), dy.extent(1)), dy.mesh(), dev);
+    }
   }
 
   /// Appends the parameters in order: `ln1`, `attn`, `ln2`, `fc1`, `fc2`.
