@@ -102,8 +102,9 @@ inline device_batch device_batch_header(const batch& b) {
 }
 
 /// @brief Copies the next batches of a `data_loader` into device memory while the current step
-/// computes: flax's `prefetch_to_device(iterator, 2)` (see the file comment). One batch is in
-/// flight ahead of the one handed out. Not thread-safe; the loader must outlive it, and only the
+/// computes: flax's `prefetch_to_device(iterator, 2)` (see the file comment). On a device space one
+/// batch is in flight ahead of the one handed out; on a host space, with no copy to overlap, each
+/// batch is taken from the loader when asked for (its rows then still in the cache for the step). Not thread-safe; the loader must outlive it, and only the
 /// prefetcher calls the loader's `start_epoch` / `next` while it is in use.
 class device_prefetcher {
  public:
@@ -117,13 +118,21 @@ class device_prefetcher {
   void start_epoch(std::size_t epoch) {
     wait();
     loader_.start_epoch(epoch);
-    ahead_ = issue(loader_.next());
+    started_ = true;
+    if constexpr (!meshlib::host_accessible_v<default_memory_space>) ahead_ = issue(loader_.next());
   }
 
   /// @brief The next batch of the epoch in device memory (nullopt after the last), and starts the
   /// copy of the one after it. @throws meshlib::data_error before the first `start_epoch`.
   [[nodiscard]] std::optional<device_batch> next() {
     if (!started_) throw data_error("meshlib: device_prefetcher: next() called before start_epoch(epoch)");
+    if constexpr (meshlib::host_accessible_v<default_memory_space>) {
+      // On a host space there is no copy to overlap, so nothing runs ahead: the batch is assembled
+      // when asked for and its rows are still in the cache when the step's first layer reads them
+      // (assembled a step ahead, the step in between may have evicted them), and one batch is
+      // held, not two.
+      return issue(loader_.next());
+    }
     wait();
     std::optional<device_batch> out = std::move(ahead_);
     ahead_.reset();

@@ -330,6 +330,13 @@ TEST_CASE("device_put and device_prefetcher hand the loader's batches to train_s
     REQUIRE_FALSE(batches.next().has_value());
     REQUIRE(steps == 4);
   }
+  // On a host space nothing runs ahead: the loader gives no batch until next() asks, so the rows
+  // are assembled just before the step reads them, still in the cache.
+  nn::data_loader lazy(ds, {.global_batch = batch, .seed = 5});
+  nn::device_prefetcher on_demand(lazy);
+  on_demand.start_epoch(0);
+  REQUIRE(lazy.next()->step == 0);  // not taken by the prefetcher
+  REQUIRE(on_demand.next()->step == 1);
   // Moved in: the rows are the batch's own, not a copy.
   plain.start_epoch(0);
   auto host = *plain.next();
