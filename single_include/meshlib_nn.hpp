@@ -13484,8 +13484,9 @@ inline device_batch device_batch_header(const batch& b) {
 /// @brief Copies the next batches of a `data_loader` into device memory while the current step
 /// computes: flax's `prefetch_to_device(iterator, 2)` (see the file comment). On a device space one
 /// batch is in flight ahead of the one handed out; on a host space, with no copy to overlap, each
-/// batch is taken from the loader when asked for (its rows then still in the cache for the step). Not thread-safe; the loader must outlive it, and only the
-/// prefetcher calls the loader's `start_epoch` / `next` while it is in use.
+/// batch is taken from the loader when asked for (its rows then still in the cache for the step).
+/// Not thread-safe; the loader must outlive it, and only the prefetcher calls the loader's
+/// `start_epoch` / `next` while it is in use.
 class device_prefetcher {
  public:
   /// @brief A prefetcher over `loader` (read in place; it must outlive the prefetcher).
@@ -14676,7 +14677,9 @@ struct policy_set {
   template <class... Ps, class P>
   static void refuse_clashes(const P& p) {
     if constexpr (P::kind == parallelism::data) {
-      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) + "\">";
+      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) +
+                             (has_second_axis<P>() ? "\", \"" + std::string(second_axis_text<P>()) : std::string()) +
+                             "\">";
       if constexpr (policy_count_v<parallelism::fully_sharded, Ps...> != 0)
         if (p.zero == 1)
           throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1} and fully_shard<\"" +
@@ -14697,7 +14700,9 @@ struct policy_set {
   template <class Model, axis_mask PipelineAxes, class Mesh>
   void refuse_ignored_overlap(const Mesh& mesh) const {
     if (!data.overlap) return;
-    const std::string dp = "data_parallel<\"" + std::string(text_of(Data)) + "\">{.overlap = true}";
+    const std::string dp = "data_parallel<\"" + std::string(text_of(Data)) +
+                           (data_over_fsdp ? "\", \"" + std::string(text_of(Fsdp)) : std::string()) +
+                           "\">{.overlap = true}";
     if constexpr (!sequential_model<Model>) {
       throw sharding_error("meshlib::nn: train_state: " + dp + " on a model that is not an nn::sequential: the "
                            "overlap starts each gradient bucket from the hooks sequential calls after each layer's "

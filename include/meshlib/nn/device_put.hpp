@@ -104,8 +104,9 @@ inline device_batch device_batch_header(const batch& b) {
 /// @brief Copies the next batches of a `data_loader` into device memory while the current step
 /// computes: flax's `prefetch_to_device(iterator, 2)` (see the file comment). On a device space one
 /// batch is in flight ahead of the one handed out; on a host space, with no copy to overlap, each
-/// batch is taken from the loader when asked for (its rows then still in the cache for the step). Not thread-safe; the loader must outlive it, and only the
-/// prefetcher calls the loader's `start_epoch` / `next` while it is in use.
+/// batch is taken from the loader when asked for (its rows then still in the cache for the step).
+/// Not thread-safe; the loader must outlive it, and only the prefetcher calls the loader's
+/// `start_epoch` / `next` while it is in use.
 class device_prefetcher {
  public:
   /// @brief A prefetcher over `loader` (read in place; it must outlive the prefetcher).

@@ -272,6 +272,11 @@ TEST_CASE("an fsdp axis splits the batch by a policy, not by its name", "[nn][po
     CHECK(both.optimizer_state_size(0) == ref.optimizer_state_size(0));
     CHECK(losses(both) == losses(ref));
   }
+  // A refusal of its values names both axes, as written.
+  CHECK(meshlib_test::message_of<meshlib::sharding_error>([&] {
+          nn::train_state s(m, make_net(m), opt(), nn::data_parallel<"data", "fsdp">{.zero = 1, .overlap = true});
+        }).starts_with("meshlib::nn: train_state: data_parallel<\"data\", \"fsdp\">{.zero = 1, .overlap = true}: "
+                       "ZeRO-1 reduce-scatters"));
   // The same state type either way (what a program choosing FSDP at run time needs): the policies,
   // not the type, say what 'fsdp' does.
   nn::train_state hsdp(m, make_net(m), opt(), nn::data_parallel<"data">{}, nn::fully_shard<"fsdp">{});

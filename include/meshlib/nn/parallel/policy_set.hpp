@@ -104,7 +104,9 @@ struct policy_set {
   template <class... Ps, class P>
   static void refuse_clashes(const P& p) {
     if constexpr (P::kind == parallelism::data) {
-      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) + "\">";
+      const std::string dp = "data_parallel<\"" + std::string(P::axis.view()) +
+                             (has_second_axis<P>() ? "\", \"" + std::string(second_axis_text<P>()) : std::string()) +
+                             "\">";
       if constexpr (policy_count_v<parallelism::fully_sharded, Ps...> != 0)
         if (p.zero == 1)
           throw sharding_error("meshlib::nn: train_state: " + dp + "{.zero = 1} and fully_shard<\"" +
@@ -125,7 +127,9 @@ struct policy_set {
   template <class Model, axis_mask PipelineAxes, class Mesh>
   void refuse_ignored_overlap(const Mesh& mesh) const {
     if (!data.overlap) return;
-    const std::string dp = "data_parallel<\"" + std::string(text_of(Data)) + "\">{.overlap = true}";
+    const std::string dp = "data_parallel<\"" + std::string(text_of(Data)) +
+                           (data_over_fsdp ? "\", \"" + std::string(text_of(Fsdp)) : std::string()) +
+                           "\">{.overlap = true}";
     if constexpr (!sequential_model<Model>) {
       throw sharding_error("meshlib::nn: train_state: " + dp + " on a model that is not an nn::sequential: the "
                            "overlap starts each gradient bucket from the hooks sequential calls after each layer's "
