@@ -816,6 +816,31 @@ void for_column_blocks(std::size_t cols, const F& f) {
   meshlib::launch<Space>((cols + width - 1) / width, column_blocks_kernel<F>{cols, width, f});
 }
 
+/// Elements per work item of `for_element_blocks` in memory `Space`: a block of 1024 where the host
+/// runs the kernel (its loop runs on native vectors, `for_each_lane`), one element on a GPU (one thread each).
+template <class Space>
+inline constexpr std::size_t element_block_for = host_accessible_v<Space> ? std::size_t{1024} : std::size_t{1};
+
+/// The work item of `for_element_blocks`: block `b` calls `f(i0, i1)` (a class: see `column_blocks_kernel`).
+template <class F>
+struct element_blocks_kernel {
+  std::size_t n, width;
+  F f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
+    const std::size_t i0 = b * width, i1 = i0 + width < n ? i0 + width : n;
+    f(i0, i1);
+  }
+};
+
+/// Calls `f(i0, i1)` for the blocks `[i0, i1)` of `[0, n)`, `element_block_for<Space>` long, as a
+/// Kokkos kernel on memory `Space` on the running device's instance: an element-wise kernel whose
+/// host loop runs on vectors.
+template <class Space, class F>
+void for_element_blocks(std::size_t n, const F& f) {
+  constexpr std::size_t width = element_block_for<Space>;
+  meshlib::launch<Space>((n + width - 1) / width, element_blocks_kernel<F>{n, width, f});
+}
+
 }  // namespace meshlib::nn::detail
 // end meshlib/nn/detail/kernels.hpp
 // begin meshlib/nn/detail/layer_kernels.hpp
@@ -836,6 +861,325 @@ void for_column_blocks(std::size_t cols, const F& f) {
 #include <cstddef>
 #include <cstdint>
 
+// begin meshlib/nn/detail/simd.hpp
+/// @file
+/// @brief A few-lane float vector for the elementwise kernels of the training step (optimizer
+/// updates), written once as a generic body that runs on `float` (the tail, and compilers without
+/// vector extensions) and on `simd_float` (the bulk); and the Kokkos kernels that run such bodies,
+/// and the sum of squares of global-norm clipping, on the running device's execution-space
+/// instance (`meshlib::launch`: a RangePolicy `parallel_for`, the one launch safe from
+/// concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp).
+///
+/// Each work item of a kernel is a block of `kernel_block` elements: the constants are copied into
+/// locals once per block (not re-read through the kernel object after every store), and the block
+/// runs the lane loop as a plain loop would, so the kernel is as fast as the loop it replaced.
+///
+/// Why not leave it to the auto-vectoriser: `std::sqrt` sets `errno`, which keeps GCC and Clang from
+/// vectorising any loop that calls it unless the user builds with `-fno-math-errno`, and GCC 12's
+/// `-O2` vectorises only loops whose trip count is a multiple of the vector width. Every lane
+/// operation here (+ - * / and `sqrtps`) is the correctly rounded IEEE operation the scalar code
+/// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
+/// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
+/// @code
+/// struct twice_sqrt {   // y = 2 sqrt(x)
+///   float* y; const float* x;
+///   template <class K> KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
+///     detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);
+///   }
+/// };
+/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, twice_sqrt{y, x});
+/// @endcode
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+
+// Not in nvcc's device pass (`__CUDA_ARCH__`): a GPU thread runs the scalar form of the bodies.
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__)) && !defined(__CUDA_ARCH__)
+#include <immintrin.h>
+#define MESHLIB_NN_SIMD 1
+#else
+#define MESHLIB_NN_SIMD 0
+#endif
+
+namespace meshlib::nn::detail {
+
+#if MESHLIB_NN_SIMD
+#if defined(__AVX__)
+/// Lanes of `simd_float`: the widest float vector the target has (AVX 8, SSE2 4).
+inline constexpr std::size_t simd_lanes = 8;
+#else
+inline constexpr std::size_t simd_lanes = 4;
+#endif
+/// `simd_lanes` floats (GCC/Clang vector extension: + - * / work lane by lane).
+using simd_float = float __attribute__((vector_size(simd_lanes * sizeof(float))));
+
+/// Loads `simd_lanes` floats from `p` (no alignment needed).
+inline simd_float load(const float* p) noexcept {
+  simd_float v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+/// Stores `v` to `p` (no alignment needed).
+inline void store(float* p, simd_float v) noexcept { std::memcpy(p, &v, sizeof v); }
+/// Every lane `s`.
+inline simd_float splat(float s) noexcept {
+  simd_float v;
+  for (std::size_t i = 0; i < simd_lanes; ++i) v[i] = s;
+  return v;
+}
+/// Lane-wise correctly rounded square root (`sqrtps`, as `std::sqrt` per lane).
+inline simd_float sqrt_of(simd_float v) noexcept {
+#if defined(__AVX__)
+  return reinterpret_cast<simd_float>(_mm256_sqrt_ps(reinterpret_cast<__m256>(v)));
+#else
+  return reinterpret_cast<simd_float>(_mm_sqrt_ps(reinterpret_cast<__m128>(v)));
+#endif
+}
+#else
+inline constexpr std::size_t simd_lanes = 1;
+#endif
+
+/// `std::sqrt(v)` (the scalar form of `sqrt_of`).
+KOKKOS_INLINE_FUNCTION float sqrt_of(float v) noexcept { return std::sqrt(v); }
+
+/// Elements per work item of the kernels below (see the file comment): a multiple of every lane
+/// count, small enough that a few million elements give every core many items.
+inline constexpr std::size_t kernel_block = 1024;
+
+/// Calls `f(i, c)` for the elements `[i0, i1)`: over the bulk, for lanes `[i, i + simd_lanes)` with
+/// `c` the constants `k` each splat to a `simd_float`; over the rest, for element `i` with `c == k`.
+/// The constants are splat once, outside the loop, into a local the stores cannot alias (a member
+/// read through `this` in the loop would be reloaded and re-splat after every store).
+template <std::size_t K, class F>
+KOKKOS_INLINE_FUNCTION void lanes_of_block(std::size_t i0, std::size_t i1, const std::array<float, K>& k, const F& f) {
+  std::size_t i = i0;
+#if MESHLIB_NN_SIMD
+  std::array<simd_float, K> kv;
+  for (std::size_t j = 0; j < K; ++j) kv[j] = splat(k[j]);
+  for (; i + simd_lanes <= i1; i += simd_lanes) f(i, kv);
+#endif
+  const std::array<float, K> ks = k;
+  for (; i < i1; ++i) f(i, ks);
+}
+
+/// The work item of `for_lanes`: block `b` of `kernel_block` elements. A class rather than a lambda:
+/// nvcc refuses an extended device lambda in a function templated on another function's local type.
+template <std::size_t K, class F>
+struct lanes_kernel {
+  std::size_t n;
+  std::array<float, K> k;
+  F f;
+  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
+    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    lanes_of_block(i0, i1, k, f);
+  }
+};
+
+/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
+/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
+/// `f` reads with `load_as(p, i, c[0])` and writes with `store_at`; it is a class with a
+/// `KOKKOS_INLINE_FUNCTION` call operator templated on the lane type (`float` or `simd_float`): nvcc
+/// refuses a generic extended lambda.
+template <class Space, std::size_t K, class F>
+void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
+  meshlib::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
+}
+
+
+// ---- Lanes of a row: the layers' kernels over runs of channels ----
+//
+// The layers' row loops (a pixel's channels, a column block's sums over rows) read and write
+// through several pointers, so GCC 12 at -O2 keeps them scalar: it vectorises only loops whose trip
+// count is a multiple of the vector width and needs no check that the pointers do not overlap.
+// Measured in the ResNet flagship (perf, 2026-12-07): im2col's copies, col2im's sums, batch norm and
+// max pooling were scalar loops, 40% of a step. `for_each_lane` runs such a loop's body on native
+// vectors of the element type over the bulk of the run and on single elements over the rest; a body
+// applies the same IEEE operations in the same order to every element in both forms, so the results
+// are bitwise those of the scalar loop (sums over rows stay in row order: lanes run across columns).
+
+// The row lanes' vectors are host-compiler code only: in a CUDA or HIP translation unit nvcc's (and
+// hipcc's) front end would parse the bodies' vector comparisons and selects in its host pass too,
+// so there (where the work runs on the GPU anyway) the host loops stay scalar, as conv2d's do.
+#if MESHLIB_NN_SIMD && !defined(__CUDACC__) && !defined(__HIPCC__)
+#define MESHLIB_NN_ROW_LANES 1
+#else
+#define MESHLIB_NN_ROW_LANES 0
+#endif
+
+#if MESHLIB_NN_ROW_LANES
+/// A native vector of `T` (`float`, `double`, `std::uint32_t`, ...), `simd_lanes * 4` bytes: a
+/// class member typedef, as GCC drops a vector attribute on a dependent alias template.
+template <class T>
+struct simd_of {
+  typedef T type __attribute__((vector_size(simd_lanes * sizeof(float))));
+};
+/// Loads `simd_of<T>` lanes from element `i` of `p` (no alignment needed).
+template <class T>
+inline typename simd_of<T>::type load_as(const T* p, std::size_t i, typename simd_of<T>::type) noexcept {
+  typename simd_of<T>::type v;
+  std::memcpy(&v, p + i, sizeof v);
+  return v;
+}
+/// Stores the lanes `v` at element `i` of `p`.
+template <class T>
+inline void store_at(T* p, std::size_t i, typename simd_of<T>::type v) noexcept {
+  std::memcpy(p + i, &v, sizeof v);
+}
+#endif
+/// Element `i` of `p` (the scalar form of the vector `load_as`, for any element type).
+template <class T>
+KOKKOS_INLINE_FUNCTION T load_as(const T* p, std::size_t i, T) noexcept {
+  return p[i];
+}
+/// Stores `v` at element `i` of `p`.
+template <class T>
+KOKKOS_INLINE_FUNCTION void store_at(T* p, std::size_t i, T v) noexcept {
+  p[i] = v;
+}
+/// `s` as the lane type `L` of a body (`L` itself, or every lane of a vector `L`).
+template <class L, class S>
+KOKKOS_INLINE_FUNCTION L splat_as(S s) noexcept {
+  if constexpr (std::is_arithmetic_v<L>) {
+    return static_cast<L>(s);
+  } else {
+    using E = std::remove_cvref_t<decltype(L{}[0])>;
+    L v{};  // lane by lane, not `L{} + s`: 0 + (-0) is +0, and a splat keeps the sign of a zero
+    for (std::size_t k = 0; k < sizeof(L) / sizeof(E); ++k) v[k] = static_cast<E>(s);
+    return v;
+  }
+}
+
+/// The lane type of 32-bit indices beside float lanes `L`: `std::uint32_t` for a `float`, a vector
+/// of as many `std::uint32_t` lanes for a float vector.
+template <class L>
+struct lane_index {
+  using type = std::uint32_t;
+};
+#if MESHLIB_NN_ROW_LANES
+template <>
+struct lane_index<simd_float> {
+  using type = simd_of<std::uint32_t>::type;
+};
+#endif
+/// See `lane_index`.
+template <class L>
+using lane_index_t = typename lane_index<L>::type;
+
+/// Calls `f(j, lane)` for every `j` in `[j0, j1)`: where the host has native vectors (and `Vectorize`),
+/// for `j` a step of `simd_of<T>`'s lanes apart with `lane` a `simd_of<T>::type` over the bulk, then
+/// one element at a time with `lane` a `T`. `f` reads with `load_as(p, j, lane)`, writes with
+/// `store_at(p, j, v)`, and writes constants as `splat_as<L>(c)`; it is a generic lambda written inside
+/// the kernel (a plain lambda there, which nvcc accepts, unlike a generic extended lambda).
+template <class T, bool Vectorize = true, class F>
+KOKKOS_INLINE_FUNCTION void for_each_lane(std::size_t j0, std::size_t j1, const F& f) {
+  std::size_t j = j0;
+#if MESHLIB_NN_ROW_LANES
+  if constexpr (Vectorize) {
+    using V = typename simd_of<T>::type;
+    constexpr std::size_t lanes = sizeof(V) / sizeof(T);
+    for (; j + lanes <= j1; j += lanes) f(j, V{});
+  }
+#endif
+  for (; j < j1; ++j) f(j, T{});
+}
+
+/// Sum of `double(x[i])^2` over `[i0, i1)`, in four interleaved partial sums (one running sum is a
+/// chain of dependent additions, four times slower).
+KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, std::size_t i1) noexcept {
+  double s[4] = {0, 0, 0, 0};
+  std::size_t i = i0;
+  for (; i + 4 <= i1; i += 4)
+    for (std::size_t k = 0; k < 4; ++k) s[k] += static_cast<double>(x[i + k]) * x[i + k];
+  for (; i < i1; ++i) s[0] += static_cast<double>(x[i]) * x[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+/// A run of a multi-tensor kernel: `n` floats at `x`, in the memory of the kernel's space.
+struct float_run {
+  const float* x;  ///< the first element
+  std::size_t n;   ///< the number of elements
+};
+
+/// The words one run takes in a run table (`run_table`): its address, its length, its first block.
+inline constexpr std::size_t run_words = 3;
+
+/// Writes the run table of `runs` into `words` (`run_words` per run that is not empty, in order:
+/// address, length, index of its first block of `kernel_block` elements over all the runs) and
+/// returns the number of blocks over all the runs. A multi-tensor kernel reads the table from the
+/// kernel's memory (`run_table_buffers`), so one launch covers every run of a device.
+inline std::size_t run_table(const std::vector<float_run>& runs, std::vector<std::size_t>& words) {
+  words.clear();
+  std::size_t blocks = 0;
+  for (const float_run& r : runs) {
+    if (r.n == 0) continue;
+    words.push_back(reinterpret_cast<std::uintptr_t>(r.x));
+    words.push_back(r.n);
+    words.push_back(blocks);
+    blocks += (r.n + kernel_block - 1) / kernel_block;
+  }
+  return blocks;
+}
+
+/// The run that block `b` of a run table of `runs` runs lies in (a binary search: the last run whose
+/// first block is at most `b`; no run of the table is empty). `stride` words per run, the first
+/// block at word `at` of each (`run_table`'s layout by default; the optimizer's table is wider).
+KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b,
+                                                std::size_t stride = run_words, std::size_t at = 2) noexcept {
+  std::size_t lo = 0, hi = runs;  // the run is in [lo, hi)
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (table[mid * stride + at] <= b) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/// Sum of `double(x[i])^2` over every element of the runs of `table` (memory `Space`; `runs` runs,
+/// `blocks` blocks, as `run_table` made it), one multi-tensor reduction for all of a device's runs:
+/// a Kokkos kernel on the running device's instance writes one partial sum per block of
+/// `kernel_block` elements of a run into `scratch` (memory `Space`, `blocks + 1` elements), one work
+/// item adds them into its last element, and the host reads that one number back (a copy only for
+/// device memory). Two launches and one read-back per device instead of as many per run (issue 38:
+/// few kernels per step).
+/// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
+/// device threads at once (tensor/view.hpp). The blocks are fixed (they start at each run's first
+/// element) and the finishing item adds them in a fixed order, the blocks of a run into the run's
+/// sum (from 0), then the runs' sums into the total (from 0), in run order: the sum is bitwise
+/// reproducible on every backend and thread count, and the same bits as summing each run with its
+/// own reduction and adding the results in run order on the host. That order differs from one
+/// running sum only in the last bits of a double, which the float clip scale does not see.
+template <class Space>
+double sum_of_squares(const std::size_t* table, std::size_t runs, std::size_t blocks, double* scratch) {
+  if (blocks == 0) return 0.0;
+  double* part = scratch;
+  meshlib::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
+    const std::size_t* r = table + run_of_block(table, runs, b) * run_words;
+    const auto* x = reinterpret_cast<const float*>(r[0]);
+    const std::size_t n = r[1], i0 = (b - r[2]) * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
+    part[b] = squares_of_block(x, i0, i1);
+  });
+  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
+    double total = 0;
+    for (std::size_t k = 0; k < runs; ++k) {
+      const std::size_t* r = table + k * run_words;
+      const std::size_t b0 = r[2], b1 = b0 + (r[1] + kernel_block - 1) / kernel_block;
+      double s = 0;
+      for (std::size_t b = b0; b < b1; ++b) s += part[b];
+      total += s;
+    }
+    part[blocks] = total;
+  });
+  return meshlib::read_back<Space>(part + blocks);
+}
+
+}  // namespace meshlib::nn::detail
+// end meshlib/nn/detail/simd.hpp
 
 namespace meshlib::nn::detail {
 
@@ -846,9 +1190,9 @@ void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) 
     T* yi = y + i * out;
     const T* bj = bias;
     if (add)
-      for (std::size_t j = 0; j < out; ++j) yi[j] += bj[j];
+      for_each_lane<T>(0, out, [&](std::size_t j, auto lane) { store_at(yi, j, load_as(yi, j, lane) + load_as(bj, j, lane)); });
     else
-      for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
+      for_each_lane<T>(0, out, [&](std::size_t j, auto lane) { store_at(yi, j, load_as(bj, j, lane)); });
   });
 }
 
@@ -859,17 +1203,23 @@ void bias_grad(T* gb, const T* d, std::size_t rows, std::size_t out, bool fresh)
   for_column_blocks<Space>(out, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* s = gb;  // locals: the stores below cannot be taken to change them
     const T* dr = d;
-    if (fresh)
-      for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+    if (fresh) for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(s, j, decltype(lane){}); });
     for (std::size_t i = 0; i < rows; ++i, dr += out)
-      for (std::size_t j = j0; j < j1; ++j) s[j] += dr[j];
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(s, j, load_as(s, j, lane) + load_as(dr, j, lane)); });
   });
 }
+
+/// Whether activation `Fn`'s `f` (and `vjp`) also take native vectors lane by lane (`static constexpr
+/// bool on_lanes = true`): then its kernels run on `for_each_lane`'s vectors, else one element at a time.
+template <class Fn>
+inline constexpr bool has_lanes_v = requires { requires Fn::on_lanes; };
 
 /// `y[i] = Fn::f(x[i])` for `[0, n)`: an activation's forward.
 template <class Space, class Fn, class T>
 void activation_forward(T* y, const T* x, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T, has_lanes_v<Fn>>(i0, i1, [&](std::size_t i, auto lane) { store_at(y, i, Fn::f(load_as(x, i, lane))); });
+  });
 }
 
 /// The cotangent an elementwise activation `Fn` hands back for `dy` at its input `x`: `Fn::vjp(dy,
@@ -885,7 +1235,11 @@ KOKKOS_INLINE_FUNCTION T activation_cotangent(T dy, T x) {
 /// (branch-free) cotangent, else `dx = d * Fn::df(x)`.
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = activation_cotangent<Fn>(d[i], x[i]); });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T, has_lanes_v<Fn>>(i0, i1, [&](std::size_t i, auto lane) {
+      store_at(dx, i, activation_cotangent<Fn>(load_as(d, i, lane), load_as(x, i, lane)));
+    });
+  });
 }
 
 /// An activation's backward fused with the bias gradient of the dense layer below it, in one launch
@@ -901,13 +1255,13 @@ void activation_bias_backward(T* d, T* gb, const T* dy, const T* x, std::size_t 
     T* dr = d;
     const T* dyr = dy;
     const T* xr = x;
-    if (fresh)
-      for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+    if (fresh) for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(s, j, decltype(lane){}); });
     for (std::size_t i = 0; i < rows; ++i, dr += out, dyr += out, xr += out)
-      for (std::size_t j = j0; j < j1; ++j) {
-        dr[j] = activation_cotangent<Fn>(dyr[j], xr[j]);
-        s[j] += dr[j];
-      }
+      for_each_lane<T, has_lanes_v<Fn>>(j0, j1, [&](std::size_t j, auto lane) {
+        const auto dj = activation_cotangent<Fn>(load_as(dyr, j, lane), load_as(xr, j, lane));
+        store_at(dr, j, dj);
+        store_at(s, j, load_as(s, j, lane) + dj);
+      });
   });
 }
 
@@ -929,13 +1283,17 @@ void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t c
 /// `out[i] = a[i] * b[i]` for `[0, n)` (dropout's backward: the cotangent times the mask).
 template <class Space, class T>
 void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T>(i0, i1, [&](std::size_t i, auto lane) { store_at(out, i, load_as(a, i, lane) * load_as(b, i, lane)); });
+  });
 }
 
 /// `out[i] = a[i] + b[i]` for `[0, n)` (a residual connection and its cotangent).
 template <class Space, class T>
 void sum_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T>(i0, i1, [&](std::size_t i, auto lane) { store_at(out, i, load_as(a, i, lane) + load_as(b, i, lane)); });
+  });
 }
 
 /// `y = x + w[position]` over `rows` tokens of `d` features, token `i` at position `i % seq`.
@@ -1668,6 +2026,9 @@ KOKKOS_INLINE_FUNCTION T exp_of(T x) {
 
 struct relu_fn {  // (KOKKOS_INLINE_FUNCTION: device kernels call these, nn/detail/layer_kernels.hpp)
   static constexpr fixed_string name = "relu";
+  /// `f` and `vjp` take native vectors too (a lane-wise select: `x > 0 ? x : 0` keeps the bits the
+  /// scalar mask keeps, +0 for every x <= 0 and NaN).
+  static constexpr bool on_lanes = true;
   template <class T>
   KOKKOS_INLINE_FUNCTION static T f(T x) {
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
@@ -1763,11 +2124,16 @@ void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T*
     mean /= static_cast<T>(n);
     for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
     var /= static_cast<T>(n);
-    rstd[i] = T{1} / std::sqrt(var + eps);
-    for (std::size_t j = 0; j < n; ++j) {
-      xh[i * n + j] = (xi[j] - mean) * rstd[i];
-      y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
-    }
+    const T r = T{1} / std::sqrt(var + eps);
+    rstd[i] = r;
+    T* xhi = xh + i * n;
+    T* yi = y + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      const L h = (load_as(xi, j, lane) - splat_as<L>(mean)) * splat_as<L>(r);
+      store_at(xhi, j, h);
+      store_at(yi, j, h * load_as(gv, j, lane) + load_as(bv, j, lane));
+    });
   });
 }
 
@@ -1785,17 +2151,29 @@ void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T
     }
     s1 /= static_cast<T>(n);
     s2 /= static_cast<T>(n);
-    for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
+    const T r = rstd[i];
+    const T* xhi = xh + i * n;
+    T* dxi = dx + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      store_at(dxi, j,
+               splat_as<L>(r) * (load_as(d, j, lane) * load_as(gv, j, lane) - splat_as<L>(s1) -
+                                 load_as(xhi, j, lane) * splat_as<L>(s2)));
+    });
   });
   // dg += sum_rows dy * xhat, db += sum_rows dy: each column's rows in row order, as the loop added them.
   for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sg = gg;  // locals: the stores below cannot be taken to change them
     T* sb = gb;
-    for (std::size_t i = 0; i < rows; ++i)
-      for (std::size_t j = j0; j < j1; ++j) {
-        sg[j] += dyp[i * n + j] * xh[i * n + j];
-        sb[j] += dyp[i * n + j];
-      }
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* di = dyp + i * n;
+      const T* hi = xh + i * n;
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+        const auto dv = load_as(di, j, lane);
+        store_at(sg, j, load_as(sg, j, lane) + dv * load_as(hi, j, lane));
+        store_at(sb, j, load_as(sb, j, lane) + dv);
+      });
+    }
   });
 }
 
@@ -1809,10 +2187,14 @@ void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_
     ms /= static_cast<T>(n);
     const T r = T{1} / std::sqrt(ms + eps);
     rinv[i] = r;
-    for (std::size_t j = 0; j < n; ++j) {
-      xh[i * n + j] = xi[j] * r;
-      y[i * n + j] = xh[i * n + j] * gv[j];
-    }
+    T* xhi = xh + i * n;
+    T* yi = y + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      const L h = load_as(xi, j, lane) * splat_as<L>(r);
+      store_at(xhi, j, h);
+      store_at(yi, j, h * load_as(gv, j, lane));
+    });
   });
 }
 
@@ -1825,12 +2207,24 @@ void rms_norm_backward(T* dx, T* gg, const T* dyp, const T* xh, const T* rinv, c
     T s = 0;  // mean of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
     s /= static_cast<T>(n);
-    for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rinv[i] * (d[j] * gv[j] - xh[i * n + j] * s);
+    const T r = rinv[i];
+    const T* xhi = xh + i * n;
+    T* dxi = dx + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      store_at(dxi, j,
+               splat_as<L>(r) * (load_as(d, j, lane) * load_as(gv, j, lane) - load_as(xhi, j, lane) * splat_as<L>(s)));
+    });
   });
   for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sg = gg;  // a local: the stores below cannot be taken to change it
-    for (std::size_t i = 0; i < rows; ++i)
-      for (std::size_t j = j0; j < j1; ++j) sg[j] += dyp[i * n + j] * xh[i * n + j];
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* di = dyp + i * n;
+      const T* hi = xh + i * n;
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+        store_at(sg, j, load_as(sg, j, lane) + load_as(di, j, lane) * load_as(hi, j, lane));
+      });
+    }
   });
 }
 
@@ -1840,16 +2234,23 @@ template <class Space, class T>
 void channel_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size_t c, T count) {
   for_column_blocks<Space>(c, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sj = s;
-    for (std::size_t j = j0; j < j1; ++j) sj[j] = T{0};
+    for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(sj, j, decltype(lane){}); });
     if (centre == nullptr) {
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) sj[j] += x[i * c + j];
+      for (std::size_t i = 0; i < rows; ++i) {
+        const T* xi = x + i * c;
+        for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+          store_at(sj, j, load_as(sj, j, lane) + load_as(xi, j, lane));
+        });
+      }
     } else {
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) {
-          const T dv = x[i * c + j] - centre[j] / count;
-          sj[j] += dv * dv;
-        }
+      for (std::size_t i = 0; i < rows; ++i) {
+        const T* xi = x + i * c;
+        for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+          using L = decltype(lane);
+          const L dv = load_as(xi, j, lane) - load_as(centre, j, lane) / splat_as<L>(count);
+          store_at(sj, j, load_as(sj, j, lane) + dv * dv);
+        });
+      }
     }
   });
 }
@@ -1882,10 +2283,14 @@ template <class Space, class T>
 void batch_normalize(T* y, T* xh, const T* xp, const T* mean, const T* rstd, const T* gv, const T* bv, std::size_t np,
                      std::size_t c) {
   meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
-    for (std::size_t j = 0; j < c; ++j) {
-      xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
-      y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
-    }
+    const T* xi = xp + i * c;
+    T* xhi = xh + i * c;
+    T* yi = y + i * c;
+    for_each_lane<T>(0, c, [&](std::size_t j, auto lane) {
+      const auto h = (load_as(xi, j, lane) - load_as(mean, j, lane)) * load_as(rstd, j, lane);
+      store_at(xhi, j, h);
+      store_at(yi, j, h * load_as(gv, j, lane) + load_as(bv, j, lane));
+    });
   });
 }
 
@@ -1895,12 +2300,19 @@ void batch_grad_sums(T* sums, const T* d, const T* xh, std::size_t np, std::size
   for_column_blocks<Space>(c, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sa = sums;
     T* sb = sums + c;
-    for (std::size_t j = j0; j < j1; ++j) sa[j] = sb[j] = T{0};
-    for (std::size_t i = 0; i < np; ++i)
-      for (std::size_t j = j0; j < j1; ++j) {
-        sa[j] += d[i * c + j];
-        sb[j] += d[i * c + j] * xh[i * c + j];
-      }
+    for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+      store_at(sa, j, decltype(lane){});
+      store_at(sb, j, decltype(lane){});
+    });
+    for (std::size_t i = 0; i < np; ++i) {
+      const T* di = d + i * c;
+      const T* hi = xh + i * c;
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+        const auto dv = load_as(di, j, lane);
+        store_at(sa, j, load_as(sa, j, lane) + dv);
+        store_at(sb, j, load_as(sb, j, lane) + dv * load_as(hi, j, lane));
+      });
+    }
   });
 }
 
@@ -1919,8 +2331,18 @@ template <class Space, class T>
 void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, const T* rstd, std::size_t np,
                    std::size_t c, T inv) {
   meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
-    for (std::size_t j = 0; j < c; ++j)
-      dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
+    const T* di = d + i * c;
+    const T* hi = xh + i * c;
+    const T* sdy = sums;
+    const T* sdyh = sums + c;
+    T* dxi = dx + i * c;
+    for_each_lane<T>(0, c, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      const L iv = splat_as<L>(inv);
+      store_at(dxi, j,
+               load_as(gv, j, lane) * load_as(rstd, j, lane) *
+                   (load_as(di, j, lane) - load_as(sdy, j, lane) * iv - load_as(hi, j, lane) * load_as(sdyh, j, lane) * iv));
+    });
   });
 }
 
@@ -1928,7 +2350,11 @@ void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, c
 template <class Space, class T>
 void batch_norm_dx_affine(T* dx, const T* d, const T* gv, const T* rstd, std::size_t np, std::size_t c) {
   meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
-    for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
+    const T* di = d + i * c;
+    T* dxi = dx + i * c;
+    for_each_lane<T>(0, c, [&](std::size_t j, auto lane) {
+      store_at(dxi, j, load_as(gv, j, lane) * load_as(rstd, j, lane) * load_as(di, j, lane));
+    });
   });
 }
 
@@ -3829,23 +4255,22 @@ struct conv_geometry {
   }
 };
 
-/// `dst[e] = src[e]` (or `T{0}` when `src` is null) for `e < n`, in chunks of 8 with a constant trip
-/// count: GCC turns a plain copy loop of unknown length into a `memcpy` / `memset` call, which costs
-/// more than the copy for the short runs of a patch (16 values in a 1x1 convolution: measured a third
-/// of that layer's forward), while a constant chunk becomes one or two vector moves.
+/// `dst[e] = src[e]` (or `T{0}` when `src` is null) for `e < n`, in native vectors (`for_each_lane`):
+/// GCC turns a plain copy loop of unknown length into a `memcpy` / `memset` call, which costs more
+/// than the copy for the short runs of a patch (16 values in a 1x1 convolution: measured a third of
+/// that layer's forward), and at -O2 keeps a loop of constant chunks scalar (the pointers might overlap).
 template <class T>
 KOKKOS_INLINE_FUNCTION void copy_run(T* dst, const T* src, std::size_t n) {
-  constexpr std::size_t chunk = 8;
-  std::size_t e = 0;
-  if (src != nullptr) {
-    for (; e + chunk <= n; e += chunk)
-      for (std::size_t u = 0; u < chunk; ++u) dst[e + u] = src[e + u];
-    for (; e < n; ++e) dst[e] = src[e];
-  } else {
-    for (; e + chunk <= n; e += chunk)
-      for (std::size_t u = 0; u < chunk; ++u) dst[e + u] = T{0};
-    for (; e < n; ++e) dst[e] = T{0};
-  }
+  if (src != nullptr)
+    for_each_lane<T>(0, n, [&](std::size_t e, auto lane) { store_at(dst, e, load_as(src, e, lane)); });
+  else
+    for_each_lane<T>(0, n, [&](std::size_t e, auto lane) { store_at(dst, e, decltype(lane){}); });
+}
+
+/// `dst[e] += src[e]` for `e < n`, in native vectors (`for_each_lane`).
+template <class T>
+KOKKOS_INLINE_FUNCTION void add_run(T* dst, const T* src, std::size_t n) {
+  for_each_lane<T>(0, n, [&](std::size_t e, auto lane) { store_at(dst, e, load_as(dst, e, lane) + load_as(src, e, lane)); });
 }
 
 /// Rows `[r0, r1)` of `y` (`cout` wide) set to `bias`.
@@ -4129,8 +4554,7 @@ void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t row
   meshlib::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t c0 = b * block, c1 = c0 + block < values ? c0 + block : values;
     if (overwrite) copy_run(gw + c0, static_cast<const T*>(nullptr), c1 - c0);
-    for (std::size_t t = 0; t < rows; ++t)
-      for (std::size_t c = c0; c < c1; ++c) gw[c] += part[t * values + c];
+    for (std::size_t t = 0; t < rows; ++t) add_run(gw + c0, part + t * values + c0, c1 - c0);
   });
 }
 
@@ -4142,7 +4566,7 @@ void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
   meshlib::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (g.h * g.w), ih = q / g.w % g.h, iw = q % g.w, kk = g.patch();
     T* dst = dx + q * g.cin;
-    for (std::size_t c = 0; c < g.cin; ++c) dst[c] = T{0};
+    copy_run(dst, static_cast<const T*>(nullptr), g.cin);
     for (std::size_t i = 0; i < g.k; ++i) {
       const std::size_t th = ih + g.p;  // = oh * s + i
       if (th < i || (th - i) % g.s != 0 || (th - i) / g.s >= g.ho) continue;
@@ -4152,7 +4576,7 @@ void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
         if (tw < j || (tw - j) % g.s != 0 || (tw - j) / g.s >= g.wo) continue;
         const std::size_t ow = (tw - j) / g.s;
         const T* src = dcols + ((img * g.ho + oh) * g.wo + ow) * kk + (i * g.k + j) * g.cin;
-        for (std::size_t c = 0; c < g.cin; ++c) dst[c] += src[c];
+        add_run(dst, src, g.cin);
       }
     }
   });
@@ -4550,6 +4974,7 @@ class conv2d {
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 
 namespace meshlib::nn::detail {
@@ -4563,29 +4988,35 @@ void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::siz
     // Plain `if` on Max below, not `if constexpr`: nvcc refuses a device lambda whose first use
     // of a captured variable is inside an `if constexpr`. Max is a constant: the same code results.
     const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
-    for (std::size_t ch = 0; ch < c; ++ch) {
-      T acc = Max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
-      std::uint32_t best = static_cast<std::uint32_t>((oh * s) * wd + ow * s);
+    const T* x0 = xp + img * h * wd * c;  // the image's first value
+    // Channels in lanes (`for_each_lane`), each lane comparing (or adding) over the window in the
+    // window's order as one channel's loop did: the same maximum, the same first winner on ties.
+    // Winners are 32-bit pixel indices: lanes of them match float lanes only.
+    for_each_lane<T, std::is_same_v<T, float>>(0, c, [&](std::size_t ch, auto lane) {
+      using L = decltype(lane);
+      using U = lane_index_t<L>;
+      const std::size_t first = (oh * s) * wd + ow * s;
+      L acc = Max ? load_as(x0 + first * c, ch, lane) : L{};
+      U best = splat_as<U>(static_cast<std::uint32_t>(first));
       for (std::size_t i = 0; i < k; ++i)
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t pix = (oh * s + i) * wd + ow * s + j;
-          const T v = xp[(img * h * wd + pix) * c + ch];
+          const L v = load_as(x0 + pix * c, ch, lane);
           if (Max) {
-            if (v > acc) {
-              acc = v;
-              best = static_cast<std::uint32_t>(pix);
-            }
+            const auto wins = v > acc;
+            acc = wins ? v : acc;
+            best = wins ? splat_as<U>(static_cast<std::uint32_t>(pix)) : best;
           } else {
             acc += v;
           }
         }
       if (Max) {
-        y[r * c + ch] = acc;
-        arg[r * c + ch] = best;
+        store_at(y + r * c, ch, acc);
+        store_at(arg + r * c, ch, best);
       } else {
-        y[r * c + ch] = acc * inv;
+        store_at(y + r * c, ch, acc * splat_as<L>(inv));
       }
-    }
+    });
   });
 }
 
@@ -4596,20 +5027,27 @@ void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, s
   meshlib::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
     T* dst = dx + q * c;
-    for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
     // The windows containing (ih, iw): oh * s <= ih < oh * s + k.
     const std::size_t oh0 = ih + 1 > k ? (ih + 1 - k + s - 1) / s : 0, ow0 = iw + 1 > k ? (iw + 1 - k + s - 1) / s : 0;
-    for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
-      for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
-        const std::size_t r = (img * ho + oh) * wo + ow;
-        for (std::size_t ch = 0; ch < c; ++ch) {
+    // Channels in lanes, each adding its windows' terms in the windows' order as one channel's loop
+    // did; a max-pooling lane adds only where this pixel won (a select: no branch to mispredict).
+    for_each_lane<T, std::is_same_v<T, float>>(0, c, [&](std::size_t ch, auto lane) {
+      using L = decltype(lane);
+      using U = lane_index_t<L>;
+      L acc{};
+      for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
+        for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
+          const std::size_t r = (img * ho + oh) * wo + ow;
+          const L dv = load_as(d + r * c, ch, lane);
           if (Max) {
-            if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
+            const auto won = load_as(arg + r * c, ch, U{}) == splat_as<U>(static_cast<std::uint32_t>(pix));
+            acc = won ? acc + dv : acc;
           } else {
-            dst[ch] += d[r * c + ch] * inv;
+            acc += dv * splat_as<L>(inv);
           }
         }
-      }
+      store_at(dst, ch, acc);
+    });
   });
 }
 
@@ -8575,235 +9013,6 @@ inline schedule warmup_cosine(float lr, std::size_t warmup, std::size_t total, f
 #include <cstdint>
 #include <cstring>
 
-// begin meshlib/nn/detail/simd.hpp
-/// @file
-/// @brief A few-lane float vector for the elementwise kernels of the training step (optimizer
-/// updates), written once as a generic body that runs on `float` (the tail, and compilers without
-/// vector extensions) and on `simd_float` (the bulk); and the Kokkos kernels that run such bodies,
-/// and the sum of squares of global-norm clipping, on the running device's execution-space
-/// instance (`meshlib::launch`: a RangePolicy `parallel_for`, the one launch safe from
-/// concurrent device threads on Kokkos 3.4.1, see tensor/view.hpp).
-///
-/// Each work item of a kernel is a block of `kernel_block` elements: the constants are copied into
-/// locals once per block (not re-read through the kernel object after every store), and the block
-/// runs the lane loop as a plain loop would, so the kernel is as fast as the loop it replaced.
-///
-/// Why not leave it to the auto-vectoriser: `std::sqrt` sets `errno`, which keeps GCC and Clang from
-/// vectorising any loop that calls it unless the user builds with `-fno-math-errno`, and GCC 12's
-/// `-O2` vectorises only loops whose trip count is a multiple of the vector width. Every lane
-/// operation here (+ - * / and `sqrtps`) is the correctly rounded IEEE operation the scalar code
-/// performs, so a body gives bitwise the same numbers on `float` and on `simd_float` (the compiler
-/// contracts a*b+c into an FMA, where the flags allow it, in both forms alike).
-/// @code
-/// struct twice_sqrt {   // y = 2 sqrt(x)
-///   float* y; const float* x;
-///   template <class K> KOKKOS_INLINE_FUNCTION void operator()(std::size_t i, const K& k) const {
-///     detail::store_at(y, i, detail::sqrt_of(detail::load_as(x, i, k[0])) * k[0]);
-///   }
-/// };
-/// detail::for_lanes<Space>(n, std::array<float, 1>{2.0f}, twice_sqrt{y, x});
-/// @endcode
-
-#include <array>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-
-// Not in nvcc's device pass (`__CUDA_ARCH__`): a GPU thread runs the scalar form of the bodies.
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__SSE2__) || defined(__AVX__)) && !defined(__CUDA_ARCH__)
-#include <immintrin.h>
-#define MESHLIB_NN_SIMD 1
-#else
-#define MESHLIB_NN_SIMD 0
-#endif
-
-namespace meshlib::nn::detail {
-
-#if MESHLIB_NN_SIMD
-#if defined(__AVX__)
-/// Lanes of `simd_float`: the widest float vector the target has (AVX 8, SSE2 4).
-inline constexpr std::size_t simd_lanes = 8;
-#else
-inline constexpr std::size_t simd_lanes = 4;
-#endif
-/// `simd_lanes` floats (GCC/Clang vector extension: + - * / work lane by lane).
-using simd_float = float __attribute__((vector_size(simd_lanes * sizeof(float))));
-
-/// Loads `simd_lanes` floats from `p` (no alignment needed).
-inline simd_float load(const float* p) noexcept {
-  simd_float v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-/// Stores `v` to `p` (no alignment needed).
-inline void store(float* p, simd_float v) noexcept { std::memcpy(p, &v, sizeof v); }
-/// Every lane `s`.
-inline simd_float splat(float s) noexcept {
-  simd_float v;
-  for (std::size_t i = 0; i < simd_lanes; ++i) v[i] = s;
-  return v;
-}
-/// Lane-wise correctly rounded square root (`sqrtps`, as `std::sqrt` per lane).
-inline simd_float sqrt_of(simd_float v) noexcept {
-#if defined(__AVX__)
-  return reinterpret_cast<simd_float>(_mm256_sqrt_ps(reinterpret_cast<__m256>(v)));
-#else
-  return reinterpret_cast<simd_float>(_mm_sqrt_ps(reinterpret_cast<__m128>(v)));
-#endif
-}
-#else
-inline constexpr std::size_t simd_lanes = 1;
-#endif
-
-/// `std::sqrt(v)` (the scalar form of `sqrt_of`).
-KOKKOS_INLINE_FUNCTION float sqrt_of(float v) noexcept { return std::sqrt(v); }
-
-/// Elements per work item of the kernels below (see the file comment): a multiple of every lane
-/// count, small enough that a few million elements give every core many items.
-inline constexpr std::size_t kernel_block = 1024;
-
-/// Calls `f(i, c)` for the elements `[i0, i1)`: over the bulk, for lanes `[i, i + simd_lanes)` with
-/// `c` the constants `k` each splat to a `simd_float`; over the rest, for element `i` with `c == k`.
-/// The constants are splat once, outside the loop, into a local the stores cannot alias (a member
-/// read through `this` in the loop would be reloaded and re-splat after every store).
-template <std::size_t K, class F>
-KOKKOS_INLINE_FUNCTION void lanes_of_block(std::size_t i0, std::size_t i1, const std::array<float, K>& k, const F& f) {
-  std::size_t i = i0;
-#if MESHLIB_NN_SIMD
-  std::array<simd_float, K> kv;
-  for (std::size_t j = 0; j < K; ++j) kv[j] = splat(k[j]);
-  for (; i + simd_lanes <= i1; i += simd_lanes) f(i, kv);
-#endif
-  const std::array<float, K> ks = k;
-  for (; i < i1; ++i) f(i, ks);
-}
-
-/// The work item of `for_lanes`: block `b` of `kernel_block` elements. A class rather than a lambda:
-/// nvcc refuses an extended device lambda in a function templated on another function's local type.
-template <std::size_t K, class F>
-struct lanes_kernel {
-  std::size_t n;
-  std::array<float, K> k;
-  F f;
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
-    const std::size_t i0 = b * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
-    lanes_of_block(i0, i1, k, f);
-  }
-};
-
-/// Calls `f(i, c)` for the elements `[0, n)` (as `lanes_of_block`), as a Kokkos kernel on memory
-/// `Space` on the running device's instance, one work item per block of `kernel_block` elements.
-/// `f` reads with `load_as(p, i, c[0])` and writes with `store_at`; it is a class with a
-/// `KOKKOS_INLINE_FUNCTION` call operator templated on the lane type (`float` or `simd_float`): nvcc
-/// refuses a generic extended lambda.
-template <class Space, std::size_t K, class F>
-void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
-  meshlib::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
-}
-
-/// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
-KOKKOS_INLINE_FUNCTION float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
-/// Stores `v` at element(s) `i` of `p`.
-KOKKOS_INLINE_FUNCTION void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
-#if MESHLIB_NN_SIMD
-inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { return load(p + i); }
-inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
-#endif
-
-/// Sum of `double(x[i])^2` over `[i0, i1)`, in four interleaved partial sums (one running sum is a
-/// chain of dependent additions, four times slower).
-KOKKOS_INLINE_FUNCTION double squares_of_block(const float* x, std::size_t i0, std::size_t i1) noexcept {
-  double s[4] = {0, 0, 0, 0};
-  std::size_t i = i0;
-  for (; i + 4 <= i1; i += 4)
-    for (std::size_t k = 0; k < 4; ++k) s[k] += static_cast<double>(x[i + k]) * x[i + k];
-  for (; i < i1; ++i) s[0] += static_cast<double>(x[i]) * x[i];
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
-
-/// A run of a multi-tensor kernel: `n` floats at `x`, in the memory of the kernel's space.
-struct float_run {
-  const float* x;  ///< the first element
-  std::size_t n;   ///< the number of elements
-};
-
-/// The words one run takes in a run table (`run_table`): its address, its length, its first block.
-inline constexpr std::size_t run_words = 3;
-
-/// Writes the run table of `runs` into `words` (`run_words` per run that is not empty, in order:
-/// address, length, index of its first block of `kernel_block` elements over all the runs) and
-/// returns the number of blocks over all the runs. A multi-tensor kernel reads the table from the
-/// kernel's memory (`run_table_buffers`), so one launch covers every run of a device.
-inline std::size_t run_table(const std::vector<float_run>& runs, std::vector<std::size_t>& words) {
-  words.clear();
-  std::size_t blocks = 0;
-  for (const float_run& r : runs) {
-    if (r.n == 0) continue;
-    words.push_back(reinterpret_cast<std::uintptr_t>(r.x));
-    words.push_back(r.n);
-    words.push_back(blocks);
-    blocks += (r.n + kernel_block - 1) / kernel_block;
-  }
-  return blocks;
-}
-
-/// The run that block `b` of a run table of `runs` runs lies in (a binary search: the last run whose
-/// first block is at most `b`; no run of the table is empty). `stride` words per run, the first
-/// block at word `at` of each (`run_table`'s layout by default; the optimizer's table is wider).
-KOKKOS_INLINE_FUNCTION std::size_t run_of_block(const std::size_t* table, std::size_t runs, std::size_t b,
-                                                std::size_t stride = run_words, std::size_t at = 2) noexcept {
-  std::size_t lo = 0, hi = runs;  // the run is in [lo, hi)
-  while (hi - lo > 1) {
-    const std::size_t mid = lo + (hi - lo) / 2;
-    if (table[mid * stride + at] <= b) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
-/// Sum of `double(x[i])^2` over every element of the runs of `table` (memory `Space`; `runs` runs,
-/// `blocks` blocks, as `run_table` made it), one multi-tensor reduction for all of a device's runs:
-/// a Kokkos kernel on the running device's instance writes one partial sum per block of
-/// `kernel_block` elements of a run into `scratch` (memory `Space`, `blocks + 1` elements), one work
-/// item adds them into its last element, and the host reads that one number back (a copy only for
-/// device memory). Two launches and one read-back per device instead of as many per run (issue 38:
-/// few kernels per step).
-/// A `parallel_for` and not a `parallel_reduce`, which Kokkos 3.4.1 Serial cannot run from several
-/// device threads at once (tensor/view.hpp). The blocks are fixed (they start at each run's first
-/// element) and the finishing item adds them in a fixed order, the blocks of a run into the run's
-/// sum (from 0), then the runs' sums into the total (from 0), in run order: the sum is bitwise
-/// reproducible on every backend and thread count, and the same bits as summing each run with its
-/// own reduction and adding the results in run order on the host. That order differs from one
-/// running sum only in the last bits of a double, which the float clip scale does not see.
-template <class Space>
-double sum_of_squares(const std::size_t* table, std::size_t runs, std::size_t blocks, double* scratch) {
-  if (blocks == 0) return 0.0;
-  double* part = scratch;
-  meshlib::launch<Space>(blocks, KOKKOS_LAMBDA(std::size_t b) {
-    const std::size_t* r = table + run_of_block(table, runs, b) * run_words;
-    const auto* x = reinterpret_cast<const float*>(r[0]);
-    const std::size_t n = r[1], i0 = (b - r[2]) * kernel_block, i1 = i0 + kernel_block < n ? i0 + kernel_block : n;
-    part[b] = squares_of_block(x, i0, i1);
-  });
-  meshlib::launch<Space>(1, KOKKOS_LAMBDA(std::size_t) {
-    double total = 0;
-    for (std::size_t k = 0; k < runs; ++k) {
-      const std::size_t* r = table + k * run_words;
-      const std::size_t b0 = r[2], b1 = b0 + (r[1] + kernel_block - 1) / kernel_block;
-      double s = 0;
-      for (std::size_t b = b0; b < b1; ++b) s += part[b];
-      total += s;
-    }
-    part[blocks] = total;
-  });
-  return meshlib::read_back<Space>(part + blocks);
-}
-
-}  // namespace meshlib::nn::detail
-// end meshlib/nn/detail/simd.hpp
 
 namespace meshlib::nn::detail {
 

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstring>
 
+#include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -49,23 +50,22 @@ struct conv_geometry {
   }
 };
 
-/// `dst[e] = src[e]` (or `T{0}` when `src` is null) for `e < n`, in chunks of 8 with a constant trip
-/// count: GCC turns a plain copy loop of unknown length into a `memcpy` / `memset` call, which costs
-/// more than the copy for the short runs of a patch (16 values in a 1x1 convolution: measured a third
-/// of that layer's forward), while a constant chunk becomes one or two vector moves.
+/// `dst[e] = src[e]` (or `T{0}` when `src` is null) for `e < n`, in native vectors (`for_each_lane`):
+/// GCC turns a plain copy loop of unknown length into a `memcpy` / `memset` call, which costs more
+/// than the copy for the short runs of a patch (16 values in a 1x1 convolution: measured a third of
+/// that layer's forward), and at -O2 keeps a loop of constant chunks scalar (the pointers might overlap).
 template <class T>
 KOKKOS_INLINE_FUNCTION void copy_run(T* dst, const T* src, std::size_t n) {
-  constexpr std::size_t chunk = 8;
-  std::size_t e = 0;
-  if (src != nullptr) {
-    for (; e + chunk <= n; e += chunk)
-      for (std::size_t u = 0; u < chunk; ++u) dst[e + u] = src[e + u];
-    for (; e < n; ++e) dst[e] = src[e];
-  } else {
-    for (; e + chunk <= n; e += chunk)
-      for (std::size_t u = 0; u < chunk; ++u) dst[e + u] = T{0};
-    for (; e < n; ++e) dst[e] = T{0};
-  }
+  if (src != nullptr)
+    for_each_lane<T>(0, n, [&](std::size_t e, auto lane) { store_at(dst, e, load_as(src, e, lane)); });
+  else
+    for_each_lane<T>(0, n, [&](std::size_t e, auto lane) { store_at(dst, e, decltype(lane){}); });
+}
+
+/// `dst[e] += src[e]` for `e < n`, in native vectors (`for_each_lane`).
+template <class T>
+KOKKOS_INLINE_FUNCTION void add_run(T* dst, const T* src, std::size_t n) {
+  for_each_lane<T>(0, n, [&](std::size_t e, auto lane) { store_at(dst, e, load_as(dst, e, lane) + load_as(src, e, lane)); });
 }
 
 /// Rows `[r0, r1)` of `y` (`cout` wide) set to `bias`.
@@ -349,8 +349,7 @@ void direct_grad_w_sum(T* gw, const T* part, std::size_t values, std::size_t row
   meshlib::launch<Space>((values + block - 1) / block, KOKKOS_LAMBDA(std::size_t b) {
     const std::size_t c0 = b * block, c1 = c0 + block < values ? c0 + block : values;
     if (overwrite) copy_run(gw + c0, static_cast<const T*>(nullptr), c1 - c0);
-    for (std::size_t t = 0; t < rows; ++t)
-      for (std::size_t c = c0; c < c1; ++c) gw[c] += part[t * values + c];
+    for (std::size_t t = 0; t < rows; ++t) add_run(gw + c0, part + t * values + c0, c1 - c0);
   });
 }
 
@@ -362,7 +361,7 @@ void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
   meshlib::launch<Space>(images * g.h * g.w, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (g.h * g.w), ih = q / g.w % g.h, iw = q % g.w, kk = g.patch();
     T* dst = dx + q * g.cin;
-    for (std::size_t c = 0; c < g.cin; ++c) dst[c] = T{0};
+    copy_run(dst, static_cast<const T*>(nullptr), g.cin);
     for (std::size_t i = 0; i < g.k; ++i) {
       const std::size_t th = ih + g.p;  // = oh * s + i
       if (th < i || (th - i) % g.s != 0 || (th - i) / g.s >= g.ho) continue;
@@ -372,7 +371,7 @@ void col2im(T* dx, const T* dcols, const conv_geometry g, std::size_t images) {
         if (tw < j || (tw - j) % g.s != 0 || (tw - j) / g.s >= g.wo) continue;
         const std::size_t ow = (tw - j) / g.s;
         const T* src = dcols + ((img * g.ho + oh) * g.wo + ow) * kk + (i * g.k + j) * g.cin;
-        for (std::size_t c = 0; c < g.cin; ++c) dst[c] += src[c];
+        add_run(dst, src, g.cin);
       }
     }
   });

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/nn/random.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
@@ -31,9 +32,9 @@ void add_bias(T* y, const T* bias, std::size_t rows, std::size_t out, bool add) 
     T* yi = y + i * out;
     const T* bj = bias;
     if (add)
-      for (std::size_t j = 0; j < out; ++j) yi[j] += bj[j];
+      for_each_lane<T>(0, out, [&](std::size_t j, auto lane) { store_at(yi, j, load_as(yi, j, lane) + load_as(bj, j, lane)); });
     else
-      for (std::size_t j = 0; j < out; ++j) yi[j] = bj[j];
+      for_each_lane<T>(0, out, [&](std::size_t j, auto lane) { store_at(yi, j, load_as(bj, j, lane)); });
   });
 }
 
@@ -44,17 +45,23 @@ void bias_grad(T* gb, const T* d, std::size_t rows, std::size_t out, bool fresh)
   for_column_blocks<Space>(out, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* s = gb;  // locals: the stores below cannot be taken to change them
     const T* dr = d;
-    if (fresh)
-      for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+    if (fresh) for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(s, j, decltype(lane){}); });
     for (std::size_t i = 0; i < rows; ++i, dr += out)
-      for (std::size_t j = j0; j < j1; ++j) s[j] += dr[j];
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(s, j, load_as(s, j, lane) + load_as(dr, j, lane)); });
   });
 }
+
+/// Whether activation `Fn`'s `f` (and `vjp`) also take native vectors lane by lane (`static constexpr
+/// bool on_lanes = true`): then its kernels run on `for_each_lane`'s vectors, else one element at a time.
+template <class Fn>
+inline constexpr bool has_lanes_v = requires { requires Fn::on_lanes; };
 
 /// `y[i] = Fn::f(x[i])` for `[0, n)`: an activation's forward.
 template <class Space, class Fn, class T>
 void activation_forward(T* y, const T* x, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { y[i] = Fn::f(x[i]); });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T, has_lanes_v<Fn>>(i0, i1, [&](std::size_t i, auto lane) { store_at(y, i, Fn::f(load_as(x, i, lane))); });
+  });
 }
 
 /// The cotangent an elementwise activation `Fn` hands back for `dy` at its input `x`: `Fn::vjp(dy,
@@ -70,7 +77,11 @@ KOKKOS_INLINE_FUNCTION T activation_cotangent(T dy, T x) {
 /// (branch-free) cotangent, else `dx = d * Fn::df(x)`.
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { dx[i] = activation_cotangent<Fn>(d[i], x[i]); });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T, has_lanes_v<Fn>>(i0, i1, [&](std::size_t i, auto lane) {
+      store_at(dx, i, activation_cotangent<Fn>(load_as(d, i, lane), load_as(x, i, lane)));
+    });
+  });
 }
 
 /// An activation's backward fused with the bias gradient of the dense layer below it, in one launch
@@ -86,13 +97,13 @@ void activation_bias_backward(T* d, T* gb, const T* dy, const T* x, std::size_t 
     T* dr = d;
     const T* dyr = dy;
     const T* xr = x;
-    if (fresh)
-      for (std::size_t j = j0; j < j1; ++j) s[j] = T{0};
+    if (fresh) for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(s, j, decltype(lane){}); });
     for (std::size_t i = 0; i < rows; ++i, dr += out, dyr += out, xr += out)
-      for (std::size_t j = j0; j < j1; ++j) {
-        dr[j] = activation_cotangent<Fn>(dyr[j], xr[j]);
-        s[j] += dr[j];
-      }
+      for_each_lane<T, has_lanes_v<Fn>>(j0, j1, [&](std::size_t j, auto lane) {
+        const auto dj = activation_cotangent<Fn>(load_as(dyr, j, lane), load_as(xr, j, lane));
+        store_at(dr, j, dj);
+        store_at(s, j, load_as(s, j, lane) + dj);
+      });
   });
 }
 
@@ -114,13 +125,17 @@ void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t c
 /// `out[i] = a[i] * b[i]` for `[0, n)` (dropout's backward: the cotangent times the mask).
 template <class Space, class T>
 void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] * b[i]; });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T>(i0, i1, [&](std::size_t i, auto lane) { store_at(out, i, load_as(a, i, lane) * load_as(b, i, lane)); });
+  });
 }
 
 /// `out[i] = a[i] + b[i]` for `[0, n)` (a residual connection and its cotangent).
 template <class Space, class T>
 void sum_values(T* out, const T* a, const T* b, std::size_t n) {
-  meshlib::launch<Space>(n, KOKKOS_LAMBDA(std::size_t i) { out[i] = a[i] + b[i]; });
+  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+    for_each_lane<T>(i0, i1, [&](std::size_t i, auto lane) { store_at(out, i, load_as(a, i, lane) + load_as(b, i, lane)); });
+  });
 }
 
 /// `y = x + w[position]` over `rows` tokens of `d` features, token `i` at position `i % seq`.

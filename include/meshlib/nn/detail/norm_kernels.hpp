@@ -11,6 +11,7 @@
 #include <cstddef>
 
 #include "meshlib/nn/detail/kernels.hpp"
+#include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -28,11 +29,16 @@ void layer_norm_forward(T* y, T* xh, T* rstd, const T* xp, const T* gv, const T*
     mean /= static_cast<T>(n);
     for (std::size_t j = 0; j < n; ++j) var += (xi[j] - mean) * (xi[j] - mean);
     var /= static_cast<T>(n);
-    rstd[i] = T{1} / std::sqrt(var + eps);
-    for (std::size_t j = 0; j < n; ++j) {
-      xh[i * n + j] = (xi[j] - mean) * rstd[i];
-      y[i * n + j] = xh[i * n + j] * gv[j] + bv[j];
-    }
+    const T r = T{1} / std::sqrt(var + eps);
+    rstd[i] = r;
+    T* xhi = xh + i * n;
+    T* yi = y + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      const L h = (load_as(xi, j, lane) - splat_as<L>(mean)) * splat_as<L>(r);
+      store_at(xhi, j, h);
+      store_at(yi, j, h * load_as(gv, j, lane) + load_as(bv, j, lane));
+    });
   });
 }
 
@@ -50,17 +56,29 @@ void layer_norm_backward(T* dx, T* gg, T* gb, const T* dyp, const T* xh, const T
     }
     s1 /= static_cast<T>(n);
     s2 /= static_cast<T>(n);
-    for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rstd[i] * (d[j] * gv[j] - s1 - xh[i * n + j] * s2);
+    const T r = rstd[i];
+    const T* xhi = xh + i * n;
+    T* dxi = dx + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      store_at(dxi, j,
+               splat_as<L>(r) * (load_as(d, j, lane) * load_as(gv, j, lane) - splat_as<L>(s1) -
+                                 load_as(xhi, j, lane) * splat_as<L>(s2)));
+    });
   });
   // dg += sum_rows dy * xhat, db += sum_rows dy: each column's rows in row order, as the loop added them.
   for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sg = gg;  // locals: the stores below cannot be taken to change them
     T* sb = gb;
-    for (std::size_t i = 0; i < rows; ++i)
-      for (std::size_t j = j0; j < j1; ++j) {
-        sg[j] += dyp[i * n + j] * xh[i * n + j];
-        sb[j] += dyp[i * n + j];
-      }
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* di = dyp + i * n;
+      const T* hi = xh + i * n;
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+        const auto dv = load_as(di, j, lane);
+        store_at(sg, j, load_as(sg, j, lane) + dv * load_as(hi, j, lane));
+        store_at(sb, j, load_as(sb, j, lane) + dv);
+      });
+    }
   });
 }
 
@@ -74,10 +92,14 @@ void rms_norm_forward(T* y, T* xh, T* rinv, const T* xp, const T* gv, std::size_
     ms /= static_cast<T>(n);
     const T r = T{1} / std::sqrt(ms + eps);
     rinv[i] = r;
-    for (std::size_t j = 0; j < n; ++j) {
-      xh[i * n + j] = xi[j] * r;
-      y[i * n + j] = xh[i * n + j] * gv[j];
-    }
+    T* xhi = xh + i * n;
+    T* yi = y + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      const L h = load_as(xi, j, lane) * splat_as<L>(r);
+      store_at(xhi, j, h);
+      store_at(yi, j, h * load_as(gv, j, lane));
+    });
   });
 }
 
@@ -90,12 +112,24 @@ void rms_norm_backward(T* dx, T* gg, const T* dyp, const T* xh, const T* rinv, c
     T s = 0;  // mean of dxhat * xhat
     for (std::size_t j = 0; j < n; ++j) s += d[j] * gv[j] * xh[i * n + j];
     s /= static_cast<T>(n);
-    for (std::size_t j = 0; j < n; ++j) dx[i * n + j] = rinv[i] * (d[j] * gv[j] - xh[i * n + j] * s);
+    const T r = rinv[i];
+    const T* xhi = xh + i * n;
+    T* dxi = dx + i * n;
+    for_each_lane<T>(0, n, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      store_at(dxi, j,
+               splat_as<L>(r) * (load_as(d, j, lane) * load_as(gv, j, lane) - load_as(xhi, j, lane) * splat_as<L>(s)));
+    });
   });
   for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sg = gg;  // a local: the stores below cannot be taken to change it
-    for (std::size_t i = 0; i < rows; ++i)
-      for (std::size_t j = j0; j < j1; ++j) sg[j] += dyp[i * n + j] * xh[i * n + j];
+    for (std::size_t i = 0; i < rows; ++i) {
+      const T* di = dyp + i * n;
+      const T* hi = xh + i * n;
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+        store_at(sg, j, load_as(sg, j, lane) + load_as(di, j, lane) * load_as(hi, j, lane));
+      });
+    }
   });
 }
 
@@ -105,16 +139,23 @@ template <class Space, class T>
 void channel_sums(T* s, const T* x, const T* centre, std::size_t rows, std::size_t c, T count) {
   for_column_blocks<Space>(c, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sj = s;
-    for (std::size_t j = j0; j < j1; ++j) sj[j] = T{0};
+    for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) { store_at(sj, j, decltype(lane){}); });
     if (centre == nullptr) {
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) sj[j] += x[i * c + j];
+      for (std::size_t i = 0; i < rows; ++i) {
+        const T* xi = x + i * c;
+        for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+          store_at(sj, j, load_as(sj, j, lane) + load_as(xi, j, lane));
+        });
+      }
     } else {
-      for (std::size_t i = 0; i < rows; ++i)
-        for (std::size_t j = j0; j < j1; ++j) {
-          const T dv = x[i * c + j] - centre[j] / count;
-          sj[j] += dv * dv;
-        }
+      for (std::size_t i = 0; i < rows; ++i) {
+        const T* xi = x + i * c;
+        for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+          using L = decltype(lane);
+          const L dv = load_as(xi, j, lane) - load_as(centre, j, lane) / splat_as<L>(count);
+          store_at(sj, j, load_as(sj, j, lane) + dv * dv);
+        });
+      }
     }
   });
 }
@@ -147,10 +188,14 @@ template <class Space, class T>
 void batch_normalize(T* y, T* xh, const T* xp, const T* mean, const T* rstd, const T* gv, const T* bv, std::size_t np,
                      std::size_t c) {
   meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
-    for (std::size_t j = 0; j < c; ++j) {
-      xh[i * c + j] = (xp[i * c + j] - mean[j]) * rstd[j];
-      y[i * c + j] = xh[i * c + j] * gv[j] + bv[j];
-    }
+    const T* xi = xp + i * c;
+    T* xhi = xh + i * c;
+    T* yi = y + i * c;
+    for_each_lane<T>(0, c, [&](std::size_t j, auto lane) {
+      const auto h = (load_as(xi, j, lane) - load_as(mean, j, lane)) * load_as(rstd, j, lane);
+      store_at(xhi, j, h);
+      store_at(yi, j, h * load_as(gv, j, lane) + load_as(bv, j, lane));
+    });
   });
 }
 
@@ -160,12 +205,19 @@ void batch_grad_sums(T* sums, const T* d, const T* xh, std::size_t np, std::size
   for_column_blocks<Space>(c, KOKKOS_LAMBDA(std::size_t j0, std::size_t j1) {
     T* sa = sums;
     T* sb = sums + c;
-    for (std::size_t j = j0; j < j1; ++j) sa[j] = sb[j] = T{0};
-    for (std::size_t i = 0; i < np; ++i)
-      for (std::size_t j = j0; j < j1; ++j) {
-        sa[j] += d[i * c + j];
-        sb[j] += d[i * c + j] * xh[i * c + j];
-      }
+    for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+      store_at(sa, j, decltype(lane){});
+      store_at(sb, j, decltype(lane){});
+    });
+    for (std::size_t i = 0; i < np; ++i) {
+      const T* di = d + i * c;
+      const T* hi = xh + i * c;
+      for_each_lane<T>(j0, j1, [&](std::size_t j, auto lane) {
+        const auto dv = load_as(di, j, lane);
+        store_at(sa, j, load_as(sa, j, lane) + dv);
+        store_at(sb, j, load_as(sb, j, lane) + dv * load_as(hi, j, lane));
+      });
+    }
   });
 }
 
@@ -184,8 +236,18 @@ template <class Space, class T>
 void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, const T* rstd, std::size_t np,
                    std::size_t c, T inv) {
   meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
-    for (std::size_t j = 0; j < c; ++j)
-      dx[i * c + j] = gv[j] * rstd[j] * (d[i * c + j] - sums[j] * inv - xh[i * c + j] * sums[c + j] * inv);
+    const T* di = d + i * c;
+    const T* hi = xh + i * c;
+    const T* sdy = sums;
+    const T* sdyh = sums + c;
+    T* dxi = dx + i * c;
+    for_each_lane<T>(0, c, [&](std::size_t j, auto lane) {
+      using L = decltype(lane);
+      const L iv = splat_as<L>(inv);
+      store_at(dxi, j,
+               load_as(gv, j, lane) * load_as(rstd, j, lane) *
+                   (load_as(di, j, lane) - load_as(sdy, j, lane) * iv - load_as(hi, j, lane) * load_as(sdyh, j, lane) * iv));
+    });
   });
 }
 
@@ -193,7 +255,11 @@ void batch_norm_dx(T* dx, const T* d, const T* xh, const T* sums, const T* gv, c
 template <class Space, class T>
 void batch_norm_dx_affine(T* dx, const T* d, const T* gv, const T* rstd, std::size_t np, std::size_t c) {
   meshlib::launch<Space>(np, KOKKOS_LAMBDA(std::size_t i) {
-    for (std::size_t j = 0; j < c; ++j) dx[i * c + j] = gv[j] * rstd[j] * d[i * c + j];
+    const T* di = d + i * c;
+    T* dxi = dx + i * c;
+    for_each_lane<T>(0, c, [&](std::size_t j, auto lane) {
+      store_at(dxi, j, load_as(gv, j, lane) * load_as(rstd, j, lane) * load_as(di, j, lane));
+    });
   });
 }
 

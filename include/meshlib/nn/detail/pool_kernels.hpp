@@ -9,7 +9,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
+#include "meshlib/nn/detail/simd.hpp"
 #include "meshlib/tensor/kernel.hpp"
 #include "meshlib/tensor/view.hpp"
 
@@ -24,29 +26,35 @@ void pool_forward(T* y, std::uint32_t* arg, const T* xp, std::size_t n, std::siz
     // Plain `if` on Max below, not `if constexpr`: nvcc refuses a device lambda whose first use
     // of a captured variable is inside an `if constexpr`. Max is a constant: the same code results.
     const std::size_t img = r / (ho * wo), oh = r / wo % ho, ow = r % wo;
-    for (std::size_t ch = 0; ch < c; ++ch) {
-      T acc = Max ? xp[((img * h + oh * s) * wd + ow * s) * c + ch] : T{0};
-      std::uint32_t best = static_cast<std::uint32_t>((oh * s) * wd + ow * s);
+    const T* x0 = xp + img * h * wd * c;  // the image's first value
+    // Channels in lanes (`for_each_lane`), each lane comparing (or adding) over the window in the
+    // window's order as one channel's loop did: the same maximum, the same first winner on ties.
+    // Winners are 32-bit pixel indices: lanes of them match float lanes only.
+    for_each_lane<T, std::is_same_v<T, float>>(0, c, [&](std::size_t ch, auto lane) {
+      using L = decltype(lane);
+      using U = lane_index_t<L>;
+      const std::size_t first = (oh * s) * wd + ow * s;
+      L acc = Max ? load_as(x0 + first * c, ch, lane) : L{};
+      U best = splat_as<U>(static_cast<std::uint32_t>(first));
       for (std::size_t i = 0; i < k; ++i)
         for (std::size_t j = 0; j < k; ++j) {
           const std::size_t pix = (oh * s + i) * wd + ow * s + j;
-          const T v = xp[(img * h * wd + pix) * c + ch];
+          const L v = load_as(x0 + pix * c, ch, lane);
           if (Max) {
-            if (v > acc) {
-              acc = v;
-              best = static_cast<std::uint32_t>(pix);
-            }
+            const auto wins = v > acc;
+            acc = wins ? v : acc;
+            best = wins ? splat_as<U>(static_cast<std::uint32_t>(pix)) : best;
           } else {
             acc += v;
           }
         }
       if (Max) {
-        y[r * c + ch] = acc;
-        arg[r * c + ch] = best;
+        store_at(y + r * c, ch, acc);
+        store_at(arg + r * c, ch, best);
       } else {
-        y[r * c + ch] = acc * inv;
+        store_at(y + r * c, ch, acc * splat_as<L>(inv));
       }
-    }
+    });
   });
 }
 
@@ -57,20 +65,27 @@ void pool_backward(T* dx, const std::uint32_t* arg, const T* d, std::size_t n, s
   meshlib::launch<Space>(n * h * wd, KOKKOS_LAMBDA(std::size_t q) {
     const std::size_t img = q / (h * wd), ih = q / wd % h, iw = q % wd, pix = ih * wd + iw;
     T* dst = dx + q * c;
-    for (std::size_t ch = 0; ch < c; ++ch) dst[ch] = T{0};
     // The windows containing (ih, iw): oh * s <= ih < oh * s + k.
     const std::size_t oh0 = ih + 1 > k ? (ih + 1 - k + s - 1) / s : 0, ow0 = iw + 1 > k ? (iw + 1 - k + s - 1) / s : 0;
-    for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
-      for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
-        const std::size_t r = (img * ho + oh) * wo + ow;
-        for (std::size_t ch = 0; ch < c; ++ch) {
+    // Channels in lanes, each adding its windows' terms in the windows' order as one channel's loop
+    // did; a max-pooling lane adds only where this pixel won (a select: no branch to mispredict).
+    for_each_lane<T, std::is_same_v<T, float>>(0, c, [&](std::size_t ch, auto lane) {
+      using L = decltype(lane);
+      using U = lane_index_t<L>;
+      L acc{};
+      for (std::size_t oh = oh0; oh < ho && oh * s <= ih; ++oh)
+        for (std::size_t ow = ow0; ow < wo && ow * s <= iw; ++ow) {
+          const std::size_t r = (img * ho + oh) * wo + ow;
+          const L dv = load_as(d + r * c, ch, lane);
           if (Max) {
-            if (arg[r * c + ch] == pix) dst[ch] += d[r * c + ch];
+            const auto won = load_as(arg + r * c, ch, U{}) == splat_as<U>(static_cast<std::uint32_t>(pix));
+            acc = won ? acc + dv : acc;
           } else {
-            dst[ch] += d[r * c + ch] * inv;
+            acc += dv * splat_as<L>(inv);
           }
         }
-      }
+      store_at(dst, ch, acc);
+    });
   });
 }
 

@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "meshlib/tensor/kernel.hpp"
@@ -130,14 +131,103 @@ void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
   meshlib::launch<Space>((n + kernel_block - 1) / kernel_block, lanes_kernel<K, F>{n, k, f});
 }
 
-/// Loads element(s) `i` of `p` as `tag`'s type (`float` or `simd_float`).
-KOKKOS_INLINE_FUNCTION float load_as(const float* p, std::size_t i, float) noexcept { return p[i]; }
-/// Stores `v` at element(s) `i` of `p`.
-KOKKOS_INLINE_FUNCTION void store_at(float* p, std::size_t i, float v) noexcept { p[i] = v; }
-#if MESHLIB_NN_SIMD
-inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { return load(p + i); }
-inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
+
+// ---- Lanes of a row: the layers' kernels over runs of channels ----
+//
+// The layers' row loops (a pixel's channels, a column block's sums over rows) read and write
+// through several pointers, so GCC 12 at -O2 keeps them scalar: it vectorises only loops whose trip
+// count is a multiple of the vector width and needs no check that the pointers do not overlap.
+// Measured in the ResNet flagship (perf, 2026-12-07): im2col's copies, col2im's sums, batch norm and
+// max pooling were scalar loops, 40% of a step. `for_each_lane` runs such a loop's body on native
+// vectors of the element type over the bulk of the run and on single elements over the rest; a body
+// applies the same IEEE operations in the same order to every element in both forms, so the results
+// are bitwise those of the scalar loop (sums over rows stay in row order: lanes run across columns).
+
+// The row lanes' vectors are host-compiler code only: in a CUDA or HIP translation unit nvcc's (and
+// hipcc's) front end would parse the bodies' vector comparisons and selects in its host pass too,
+// so there (where the work runs on the GPU anyway) the host loops stay scalar, as conv2d's do.
+#if MESHLIB_NN_SIMD && !defined(__CUDACC__) && !defined(__HIPCC__)
+#define MESHLIB_NN_ROW_LANES 1
+#else
+#define MESHLIB_NN_ROW_LANES 0
 #endif
+
+#if MESHLIB_NN_ROW_LANES
+/// A native vector of `T` (`float`, `double`, `std::uint32_t`, ...), `simd_lanes * 4` bytes: a
+/// class member typedef, as GCC drops a vector attribute on a dependent alias template.
+template <class T>
+struct simd_of {
+  typedef T type __attribute__((vector_size(simd_lanes * sizeof(float))));
+};
+/// Loads `simd_of<T>` lanes from element `i` of `p` (no alignment needed).
+template <class T>
+inline typename simd_of<T>::type load_as(const T* p, std::size_t i, typename simd_of<T>::type) noexcept {
+  typename simd_of<T>::type v;
+  std::memcpy(&v, p + i, sizeof v);
+  return v;
+}
+/// Stores the lanes `v` at element `i` of `p`.
+template <class T>
+inline void store_at(T* p, std::size_t i, typename simd_of<T>::type v) noexcept {
+  std::memcpy(p + i, &v, sizeof v);
+}
+#endif
+/// Element `i` of `p` (the scalar form of the vector `load_as`, for any element type).
+template <class T>
+KOKKOS_INLINE_FUNCTION T load_as(const T* p, std::size_t i, T) noexcept {
+  return p[i];
+}
+/// Stores `v` at element `i` of `p`.
+template <class T>
+KOKKOS_INLINE_FUNCTION void store_at(T* p, std::size_t i, T v) noexcept {
+  p[i] = v;
+}
+/// `s` as the lane type `L` of a body (`L` itself, or every lane of a vector `L`).
+template <class L, class S>
+KOKKOS_INLINE_FUNCTION L splat_as(S s) noexcept {
+  if constexpr (std::is_arithmetic_v<L>) {
+    return static_cast<L>(s);
+  } else {
+    using E = std::remove_cvref_t<decltype(L{}[0])>;
+    L v{};  // lane by lane, not `L{} + s`: 0 + (-0) is +0, and a splat keeps the sign of a zero
+    for (std::size_t k = 0; k < sizeof(L) / sizeof(E); ++k) v[k] = static_cast<E>(s);
+    return v;
+  }
+}
+
+/// The lane type of 32-bit indices beside float lanes `L`: `std::uint32_t` for a `float`, a vector
+/// of as many `std::uint32_t` lanes for a float vector.
+template <class L>
+struct lane_index {
+  using type = std::uint32_t;
+};
+#if MESHLIB_NN_ROW_LANES
+template <>
+struct lane_index<simd_float> {
+  using type = simd_of<std::uint32_t>::type;
+};
+#endif
+/// See `lane_index`.
+template <class L>
+using lane_index_t = typename lane_index<L>::type;
+
+/// Calls `f(j, lane)` for every `j` in `[j0, j1)`: where the host has native vectors (and `Vectorize`),
+/// for `j` a step of `simd_of<T>`'s lanes apart with `lane` a `simd_of<T>::type` over the bulk, then
+/// one element at a time with `lane` a `T`. `f` reads with `load_as(p, j, lane)`, writes with
+/// `store_at(p, j, v)`, and writes constants as `splat_as<L>(c)`; it is a generic lambda written inside
+/// the kernel (a plain lambda there, which nvcc accepts, unlike a generic extended lambda).
+template <class T, bool Vectorize = true, class F>
+KOKKOS_INLINE_FUNCTION void for_each_lane(std::size_t j0, std::size_t j1, const F& f) {
+  std::size_t j = j0;
+#if MESHLIB_NN_ROW_LANES
+  if constexpr (Vectorize) {
+    using V = typename simd_of<T>::type;
+    constexpr std::size_t lanes = sizeof(V) / sizeof(T);
+    for (; j + lanes <= j1; j += lanes) f(j, V{});
+  }
+#endif
+  for (; j < j1; ++j) f(j, T{});
+}
 
 /// Sum of `double(x[i])^2` over `[i0, i1)`, in four interleaved partial sums (one running sum is a
 /// chain of dependent additions, four times slower).

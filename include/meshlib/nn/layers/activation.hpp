@@ -147,6 +147,9 @@ KOKKOS_INLINE_FUNCTION T exp_of(T x) {
 
 struct relu_fn {  // (KOKKOS_INLINE_FUNCTION: device kernels call these, nn/detail/layer_kernels.hpp)
   static constexpr fixed_string name = "relu";
+  /// `f` and `vjp` take native vectors too (a lane-wise select: `x > 0 ? x : 0` keeps the bits the
+  /// scalar mask keeps, +0 for every x <= 0 and NaN).
+  static constexpr bool on_lanes = true;
   template <class T>
   KOKKOS_INLINE_FUNCTION static T f(T x) {
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
