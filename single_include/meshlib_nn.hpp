@@ -927,6 +927,11 @@ inline simd_float load(const float* p) noexcept {
 }
 /// Stores `v` to `p` (no alignment needed).
 inline void store(float* p, simd_float v) noexcept { std::memcpy(p, &v, sizeof v); }
+/// Loads element(s) `i` of `p` as the optimizer's lanes (`load_as`'s form for `simd_float`, which
+/// is narrower than `simd_of<float>` on AVX-512 and exists in CUDA translation units too).
+inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { return load(p + i); }
+/// Stores the optimizer's lanes `v` at element(s) `i` of `p`.
+inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
 /// Every lane `s`.
 inline simd_float splat(float s) noexcept {
   simd_float v;
@@ -1002,22 +1007,35 @@ void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
 // vectors of the element type over the bulk of the run and on single elements over the rest; a body
 // applies the same IEEE operations in the same order to every element in both forms, so the results
 // are bitwise those of the scalar loop (sums over rows stay in row order: lanes run across columns).
+// Where the target has FMA (`-march=haswell` and later) and contraction is on (GCC's default), the
+// compiler decides per expression whether `a * b + c` becomes one rounding: there a body and the loop
+// it replaced may differ in the last bit (measured: average pooling's backward with 3x3 windows).
 
-// The row lanes' vectors are host-compiler code only: in a CUDA or HIP translation unit nvcc's (and
-// hipcc's) front end would parse the bodies' vector comparisons and selects in its host pass too,
-// so there (where the work runs on the GPU anyway) the host loops stay scalar, as conv2d's do.
-#if MESHLIB_NN_SIMD && !defined(__CUDACC__) && !defined(__HIPCC__)
+// The row lanes' vectors (and conv2d's, nn/detail/conv2d_kernels.hpp) are host-compiler code only:
+// in a CUDA or HIP translation unit nvcc's (and hipcc's) front end would parse the bodies' vector
+// comparisons and selects in its host pass too, so there (where the work runs on the GPU anyway)
+// the host loops stay scalar. They need no intrinsics: GCC/Clang vector extensions on x86 or Arm.
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && !defined(__HIPCC__) && \
+    (defined(__SSE2__) || defined(__ARM_NEON))
 #define MESHLIB_NN_ROW_LANES 1
+#if defined(__AVX512F__)
+/// Bytes of `simd_of<T>`: the widest vector registers the target has (AVX-512 64, AVX 32, SSE2 and NEON 16).
+inline constexpr std::size_t simd_bytes = 64;
+#elif defined(__AVX__)
+inline constexpr std::size_t simd_bytes = 32;
+#else
+inline constexpr std::size_t simd_bytes = 16;
+#endif
 #else
 #define MESHLIB_NN_ROW_LANES 0
 #endif
 
 #if MESHLIB_NN_ROW_LANES
-/// A native vector of `T` (`float`, `double`, `std::uint32_t`, ...), `simd_lanes * 4` bytes: a
-/// class member typedef, as GCC drops a vector attribute on a dependent alias template.
+/// A native vector of `T` (`float`, `double`, `std::uint32_t`, ...), `simd_bytes` long: a class
+/// member typedef, as GCC drops a vector attribute on a dependent alias template.
 template <class T>
 struct simd_of {
-  typedef T type __attribute__((vector_size(simd_lanes * sizeof(float))));
+  typedef T type __attribute__((vector_size(simd_bytes)));
 };
 /// Loads `simd_of<T>` lanes from element `i` of `p` (no alignment needed).
 template <class T>
@@ -1063,7 +1081,7 @@ struct lane_index {
 };
 #if MESHLIB_NN_ROW_LANES
 template <>
-struct lane_index<simd_float> {
+struct lane_index<simd_of<float>::type> {
   using type = simd_of<std::uint32_t>::type;
 };
 #endif
@@ -4225,7 +4243,7 @@ inline void check_window_fits(const std::string& head, const image_shape& in, st
 /// Every kernel is one RangePolicy `parallel_for` on the running device's instance
 /// (`meshlib::launch`, see tensor/view.hpp), over raw pointers, one work item per output
 /// image row (or input pixel, or block of values) that writes only its own part: no atomics, the
-/// same bits on every run. The host's vector forms (`MESHLIB_CONV_VECTORS`) are compiled out for
+/// same bits on every run. The host's vector forms (`MESHLIB_NN_ROW_LANES`) are compiled out for
 /// device code, which runs the plain loops.
 /// @code
 /// detail::conv_geometry g{h, w, cin, ho, wo, cout, k, s, p};
@@ -4329,40 +4347,25 @@ void im2col(T* cols, const T* x, const conv_geometry g, std::size_t r0, std::siz
 /// Output channels one pass of `direct_conv` keeps in registers per pixel.
 inline constexpr std::size_t direct_lanes = 16;
 
-// The direct kernel's lanes as the host's native vectors (GCC/Clang vector extensions): left to the
-// auto-vectoriser, GCC vectorises a tile of pixels across the pixels (4-wide, with shuffles) instead
-// of across the output channels, and at -O2 keeps the accumulators in memory; measured 4-8x slower
-// than these explicit vectors (docs/benchmarks.md). Device compilers take the plain loop.
-#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && !defined(__HIPCC__) && \
-    (defined(__SSE2__) || defined(__ARM_NEON))
-#define MESHLIB_CONV_VECTORS 1
-#if defined(__AVX512F__)
-inline constexpr std::size_t direct_vector_bytes = 64;
-#elif defined(__AVX__)
-inline constexpr std::size_t direct_vector_bytes = 32;
-#else
-inline constexpr std::size_t direct_vector_bytes = 16;
-#endif
+// The direct kernel's lanes as the host's native vectors (`simd_of<T>`, nn/detail/simd.hpp): left
+// to the auto-vectoriser, GCC vectorises a tile of pixels across the pixels (4-wide, with shuffles)
+// instead of across the output channels, and at -O2 keeps the accumulators in memory; measured 4-8x
+// slower than these explicit vectors (docs/benchmarks.md). Device compilers take the plain loop.
+#if MESHLIB_NN_ROW_LANES
 #if defined(__clang__)
 #define MESHLIB_CONV_UNROLL _Pragma("unroll")
 #else
 #define MESHLIB_CONV_UNROLL _Pragma("GCC unroll 16")
 #endif
-/// One native vector of `T`.
-template <class T>
-struct direct_vector {
-  typedef T type __attribute__((vector_size(direct_vector_bytes)));
-};
 /// Native vectors per `direct_lanes` values of `T`.
 template <class T>
-inline constexpr std::size_t direct_vectors = direct_lanes * sizeof(T) / direct_vector_bytes;
+inline constexpr std::size_t direct_vectors = direct_lanes * sizeof(T) / simd_bytes;
 /// Pixels per tile: accumulators in about 12 vector registers (16 on SSE and AVX, 32 on AVX-512),
 /// the rest for the weight row; at most 8.
 template <class T>
 inline constexpr std::size_t direct_pixels =
     direct_vectors<T> >= 12 ? 1 : (12 / direct_vectors<T> > 8 ? 8 : 12 / direct_vectors<T>);
 #else
-#define MESHLIB_CONV_VECTORS 0
 template <class T>
 inline constexpr std::size_t direct_pixels = 1;
 #endif
@@ -4387,7 +4390,7 @@ KOKKOS_INLINE_FUNCTION void direct_scalar(T* out, const T* src, const T* wt, con
   for (std::size_t o = 0; o < n; ++o) out[o] = acc[o];
 }
 
-#if MESHLIB_CONV_VECTORS
+#if MESHLIB_NN_ROW_LANES
 /// `direct_scalar` for `direct_lanes` channels of `Pixels` consecutive output pixels with the same
 /// window (pixel `q` reads from `src + q * s * cin`, writes `out + q * cout`), in native vectors:
 /// independent accumulators, so the FMAs of the pixels overlap instead of waiting on one pixel's
@@ -4397,8 +4400,8 @@ KOKKOS_INLINE_FUNCTION void direct_scalar(T* out, const T* src, const T* wt, con
 template <std::size_t Pixels, class T>
 inline void direct_vector_tile(T* out, const T* src, const T* wt, const T* bias, const conv_geometry& g,
                                std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1, std::size_t o0) {
-  using vec = typename direct_vector<T>::type;
-  constexpr std::size_t nv = direct_vectors<T>, per = direct_vector_bytes / sizeof(T);
+  using vec = typename simd_of<T>::type;
+  constexpr std::size_t nv = direct_vectors<T>, per = simd_bytes / sizeof(T);
   const std::size_t step = g.s * g.cin;
   vec acc[Pixels][nv];
   vec init[nv];
@@ -4436,7 +4439,7 @@ KOKKOS_INLINE_FUNCTION void direct_pixels_of(T* y, const T* x, const T* wt, cons
   const T* src = empty ? x : x + ((img * g.h + (oh * g.s + i0 - g.p)) * g.w + (ow * g.s + j0 - g.p)) * g.cin;
   T* out = y + (t * g.wo + ow) * g.cout;
   std::size_t o0 = 0;
-#if MESHLIB_CONV_VECTORS && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+#if MESHLIB_NN_ROW_LANES
   for (; o0 + direct_lanes <= g.cout; o0 += direct_lanes)
     direct_vector_tile<Pixels>(out + o0, src, wt, bias, g, i0, i1, j0, j1, o0);
 #endif
@@ -4479,9 +4482,9 @@ template <class T>
 KOKKOS_INLINE_FUNCTION void tap_gradient(T* out, const T* a, std::size_t stride, const T* d, std::size_t n,
                                          std::size_t count) {
   std::size_t o = 0;
-#if MESHLIB_CONV_VECTORS && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
-  using vec = typename direct_vector<T>::type;
-  constexpr std::size_t nv = direct_vectors<T>, per = direct_vector_bytes / sizeof(T);
+#if MESHLIB_NN_ROW_LANES
+  using vec = typename simd_of<T>::type;
+  constexpr std::size_t nv = direct_vectors<T>, per = simd_bytes / sizeof(T);
   for (; o + direct_lanes <= n; o += direct_lanes) {
     vec even[nv], odd[nv];
     MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) even[v] = odd[v] = vec{};

@@ -17,7 +17,7 @@
 /// Every kernel is one RangePolicy `parallel_for` on the running device's instance
 /// (`meshlib::launch`, see tensor/view.hpp), over raw pointers, one work item per output
 /// image row (or input pixel, or block of values) that writes only its own part: no atomics, the
-/// same bits on every run. The host's vector forms (`MESHLIB_CONV_VECTORS`) are compiled out for
+/// same bits on every run. The host's vector forms (`MESHLIB_NN_ROW_LANES`) are compiled out for
 /// device code, which runs the plain loops.
 /// @code
 /// detail::conv_geometry g{h, w, cin, ho, wo, cout, k, s, p};
@@ -124,40 +124,25 @@ void im2col(T* cols, const T* x, const conv_geometry g, std::size_t r0, std::siz
 /// Output channels one pass of `direct_conv` keeps in registers per pixel.
 inline constexpr std::size_t direct_lanes = 16;
 
-// The direct kernel's lanes as the host's native vectors (GCC/Clang vector extensions): left to the
-// auto-vectoriser, GCC vectorises a tile of pixels across the pixels (4-wide, with shuffles) instead
-// of across the output channels, and at -O2 keeps the accumulators in memory; measured 4-8x slower
-// than these explicit vectors (docs/benchmarks.md). Device compilers take the plain loop.
-#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && !defined(__HIPCC__) && \
-    (defined(__SSE2__) || defined(__ARM_NEON))
-#define MESHLIB_CONV_VECTORS 1
-#if defined(__AVX512F__)
-inline constexpr std::size_t direct_vector_bytes = 64;
-#elif defined(__AVX__)
-inline constexpr std::size_t direct_vector_bytes = 32;
-#else
-inline constexpr std::size_t direct_vector_bytes = 16;
-#endif
+// The direct kernel's lanes as the host's native vectors (`simd_of<T>`, nn/detail/simd.hpp): left
+// to the auto-vectoriser, GCC vectorises a tile of pixels across the pixels (4-wide, with shuffles)
+// instead of across the output channels, and at -O2 keeps the accumulators in memory; measured 4-8x
+// slower than these explicit vectors (docs/benchmarks.md). Device compilers take the plain loop.
+#if MESHLIB_NN_ROW_LANES
 #if defined(__clang__)
 #define MESHLIB_CONV_UNROLL _Pragma("unroll")
 #else
 #define MESHLIB_CONV_UNROLL _Pragma("GCC unroll 16")
 #endif
-/// One native vector of `T`.
-template <class T>
-struct direct_vector {
-  typedef T type __attribute__((vector_size(direct_vector_bytes)));
-};
 /// Native vectors per `direct_lanes` values of `T`.
 template <class T>
-inline constexpr std::size_t direct_vectors = direct_lanes * sizeof(T) / direct_vector_bytes;
+inline constexpr std::size_t direct_vectors = direct_lanes * sizeof(T) / simd_bytes;
 /// Pixels per tile: accumulators in about 12 vector registers (16 on SSE and AVX, 32 on AVX-512),
 /// the rest for the weight row; at most 8.
 template <class T>
 inline constexpr std::size_t direct_pixels =
     direct_vectors<T> >= 12 ? 1 : (12 / direct_vectors<T> > 8 ? 8 : 12 / direct_vectors<T>);
 #else
-#define MESHLIB_CONV_VECTORS 0
 template <class T>
 inline constexpr std::size_t direct_pixels = 1;
 #endif
@@ -182,7 +167,7 @@ KOKKOS_INLINE_FUNCTION void direct_scalar(T* out, const T* src, const T* wt, con
   for (std::size_t o = 0; o < n; ++o) out[o] = acc[o];
 }
 
-#if MESHLIB_CONV_VECTORS
+#if MESHLIB_NN_ROW_LANES
 /// `direct_scalar` for `direct_lanes` channels of `Pixels` consecutive output pixels with the same
 /// window (pixel `q` reads from `src + q * s * cin`, writes `out + q * cout`), in native vectors:
 /// independent accumulators, so the FMAs of the pixels overlap instead of waiting on one pixel's
@@ -192,8 +177,8 @@ KOKKOS_INLINE_FUNCTION void direct_scalar(T* out, const T* src, const T* wt, con
 template <std::size_t Pixels, class T>
 inline void direct_vector_tile(T* out, const T* src, const T* wt, const T* bias, const conv_geometry& g,
                                std::size_t i0, std::size_t i1, std::size_t j0, std::size_t j1, std::size_t o0) {
-  using vec = typename direct_vector<T>::type;
-  constexpr std::size_t nv = direct_vectors<T>, per = direct_vector_bytes / sizeof(T);
+  using vec = typename simd_of<T>::type;
+  constexpr std::size_t nv = direct_vectors<T>, per = simd_bytes / sizeof(T);
   const std::size_t step = g.s * g.cin;
   vec acc[Pixels][nv];
   vec init[nv];
@@ -231,7 +216,7 @@ KOKKOS_INLINE_FUNCTION void direct_pixels_of(T* y, const T* x, const T* wt, cons
   const T* src = empty ? x : x + ((img * g.h + (oh * g.s + i0 - g.p)) * g.w + (ow * g.s + j0 - g.p)) * g.cin;
   T* out = y + (t * g.wo + ow) * g.cout;
   std::size_t o0 = 0;
-#if MESHLIB_CONV_VECTORS && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
+#if MESHLIB_NN_ROW_LANES
   for (; o0 + direct_lanes <= g.cout; o0 += direct_lanes)
     direct_vector_tile<Pixels>(out + o0, src, wt, bias, g, i0, i1, j0, j1, o0);
 #endif
@@ -274,9 +259,9 @@ template <class T>
 KOKKOS_INLINE_FUNCTION void tap_gradient(T* out, const T* a, std::size_t stride, const T* d, std::size_t n,
                                          std::size_t count) {
   std::size_t o = 0;
-#if MESHLIB_CONV_VECTORS && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
-  using vec = typename direct_vector<T>::type;
-  constexpr std::size_t nv = direct_vectors<T>, per = direct_vector_bytes / sizeof(T);
+#if MESHLIB_NN_ROW_LANES
+  using vec = typename simd_of<T>::type;
+  constexpr std::size_t nv = direct_vectors<T>, per = simd_bytes / sizeof(T);
   for (; o + direct_lanes <= n; o += direct_lanes) {
     vec even[nv], odd[nv];
     MESHLIB_CONV_UNROLL for (std::size_t v = 0; v < nv; ++v) even[v] = odd[v] = vec{};

@@ -67,6 +67,11 @@ inline simd_float load(const float* p) noexcept {
 }
 /// Stores `v` to `p` (no alignment needed).
 inline void store(float* p, simd_float v) noexcept { std::memcpy(p, &v, sizeof v); }
+/// Loads element(s) `i` of `p` as the optimizer's lanes (`load_as`'s form for `simd_float`, which
+/// is narrower than `simd_of<float>` on AVX-512 and exists in CUDA translation units too).
+inline simd_float load_as(const float* p, std::size_t i, simd_float) noexcept { return load(p + i); }
+/// Stores the optimizer's lanes `v` at element(s) `i` of `p`.
+inline void store_at(float* p, std::size_t i, simd_float v) noexcept { store(p + i, v); }
 /// Every lane `s`.
 inline simd_float splat(float s) noexcept {
   simd_float v;
@@ -142,22 +147,35 @@ void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
 // vectors of the element type over the bulk of the run and on single elements over the rest; a body
 // applies the same IEEE operations in the same order to every element in both forms, so the results
 // are bitwise those of the scalar loop (sums over rows stay in row order: lanes run across columns).
+// Where the target has FMA (`-march=haswell` and later) and contraction is on (GCC's default), the
+// compiler decides per expression whether `a * b + c` becomes one rounding: there a body and the loop
+// it replaced may differ in the last bit (measured: average pooling's backward with 3x3 windows).
 
-// The row lanes' vectors are host-compiler code only: in a CUDA or HIP translation unit nvcc's (and
-// hipcc's) front end would parse the bodies' vector comparisons and selects in its host pass too,
-// so there (where the work runs on the GPU anyway) the host loops stay scalar, as conv2d's do.
-#if MESHLIB_NN_SIMD && !defined(__CUDACC__) && !defined(__HIPCC__)
+// The row lanes' vectors (and conv2d's, nn/detail/conv2d_kernels.hpp) are host-compiler code only:
+// in a CUDA or HIP translation unit nvcc's (and hipcc's) front end would parse the bodies' vector
+// comparisons and selects in its host pass too, so there (where the work runs on the GPU anyway)
+// the host loops stay scalar. They need no intrinsics: GCC/Clang vector extensions on x86 or Arm.
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && !defined(__HIPCC__) && \
+    (defined(__SSE2__) || defined(__ARM_NEON))
 #define MESHLIB_NN_ROW_LANES 1
+#if defined(__AVX512F__)
+/// Bytes of `simd_of<T>`: the widest vector registers the target has (AVX-512 64, AVX 32, SSE2 and NEON 16).
+inline constexpr std::size_t simd_bytes = 64;
+#elif defined(__AVX__)
+inline constexpr std::size_t simd_bytes = 32;
+#else
+inline constexpr std::size_t simd_bytes = 16;
+#endif
 #else
 #define MESHLIB_NN_ROW_LANES 0
 #endif
 
 #if MESHLIB_NN_ROW_LANES
-/// A native vector of `T` (`float`, `double`, `std::uint32_t`, ...), `simd_lanes * 4` bytes: a
-/// class member typedef, as GCC drops a vector attribute on a dependent alias template.
+/// A native vector of `T` (`float`, `double`, `std::uint32_t`, ...), `simd_bytes` long: a class
+/// member typedef, as GCC drops a vector attribute on a dependent alias template.
 template <class T>
 struct simd_of {
-  typedef T type __attribute__((vector_size(simd_lanes * sizeof(float))));
+  typedef T type __attribute__((vector_size(simd_bytes)));
 };
 /// Loads `simd_of<T>` lanes from element `i` of `p` (no alignment needed).
 template <class T>
@@ -203,7 +221,7 @@ struct lane_index {
 };
 #if MESHLIB_NN_ROW_LANES
 template <>
-struct lane_index<simd_float> {
+struct lane_index<simd_of<float>::type> {
   using type = simd_of<std::uint32_t>::type;
 };
 #endif
