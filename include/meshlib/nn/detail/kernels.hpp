@@ -72,36 +72,13 @@ struct column_blocks_kernel {
 /// Calls `f(j0, j1)` for the blocks `[j0, j1)` of `[0, cols)`, `column_block_for<Space>` wide, as
 /// a Kokkos kernel on memory `Space` on the running device's instance, one work item per block (see
 /// the file comment). `f` is a `KOKKOS_LAMBDA` (it runs in the kernel), written outside code
-/// templated on a mesh (nn/detail/layer_kernels.hpp says why).
+/// templated on a mesh (nn/detail/layer_kernels.hpp says why). An element-wise kernel over `n`
+/// values uses it too: on the host its blocks of 1024 run on vectors (`for_each_lane`), on a GPU one
+/// value per thread.
 template <class Space, class F>
 void for_column_blocks(std::size_t cols, const F& f) {
   constexpr std::size_t width = column_block_for<Space>;
   meshlib::launch<Space>((cols + width - 1) / width, column_blocks_kernel<F>{cols, width, f});
-}
-
-/// Elements per work item of `for_element_blocks` in memory `Space`: a block of 1024 where the host
-/// runs the kernel (its loop runs on native vectors, `for_each_lane`), one element on a GPU (one thread each).
-template <class Space>
-inline constexpr std::size_t element_block_for = host_accessible_v<Space> ? std::size_t{1024} : std::size_t{1};
-
-/// The work item of `for_element_blocks`: block `b` calls `f(i0, i1)` (a class: see `column_blocks_kernel`).
-template <class F>
-struct element_blocks_kernel {
-  std::size_t n, width;
-  F f;
-  KOKKOS_INLINE_FUNCTION void operator()(std::size_t b) const {
-    const std::size_t i0 = b * width, i1 = i0 + width < n ? i0 + width : n;
-    f(i0, i1);
-  }
-};
-
-/// Calls `f(i0, i1)` for the blocks `[i0, i1)` of `[0, n)`, `element_block_for<Space>` long, as a
-/// Kokkos kernel on memory `Space` on the running device's instance: an element-wise kernel whose
-/// host loop runs on vectors.
-template <class Space, class F>
-void for_element_blocks(std::size_t n, const F& f) {
-  constexpr std::size_t width = element_block_for<Space>;
-  meshlib::launch<Space>((n + width - 1) / width, element_blocks_kernel<F>{n, width, f});
 }
 
 }  // namespace meshlib::nn::detail

@@ -59,7 +59,7 @@ inline constexpr bool has_lanes_v = requires { requires Fn::on_lanes; };
 /// `y[i] = Fn::f(x[i])` for `[0, n)`: an activation's forward.
 template <class Space, class Fn, class T>
 void activation_forward(T* y, const T* x, std::size_t n) {
-  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+  for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
     for_each_lane<T, has_lanes_v<Fn>>(i0, i1, [&](std::size_t i, auto lane) { store_at(y, i, Fn::f(load_as(x, i, lane))); });
   });
 }
@@ -77,7 +77,7 @@ KOKKOS_INLINE_FUNCTION T activation_cotangent(T dy, T x) {
 /// (branch-free) cotangent, else `dx = d * Fn::df(x)`.
 template <class Space, class Fn, class T>
 void activation_backward(T* dx, const T* d, const T* x, std::size_t n) {
-  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+  for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
     for_each_lane<T, has_lanes_v<Fn>>(i0, i1, [&](std::size_t i, auto lane) {
       store_at(dx, i, activation_cotangent<Fn>(load_as(d, i, lane), load_as(x, i, lane)));
     });
@@ -125,7 +125,7 @@ void dropout_forward(T* y, T* mask, const T* xp, std::size_t rows, std::size_t c
 /// `out[i] = a[i] * b[i]` for `[0, n)` (dropout's backward: the cotangent times the mask).
 template <class Space, class T>
 void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
-  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+  for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
     for_each_lane<T>(i0, i1, [&](std::size_t i, auto lane) { store_at(out, i, load_as(a, i, lane) * load_as(b, i, lane)); });
   });
 }
@@ -133,7 +133,7 @@ void multiply_values(T* out, const T* a, const T* b, std::size_t n) {
 /// `out[i] = a[i] + b[i]` for `[0, n)` (a residual connection and its cotangent).
 template <class Space, class T>
 void sum_values(T* out, const T* a, const T* b, std::size_t n) {
-  for_element_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
+  for_column_blocks<Space>(n, KOKKOS_LAMBDA(std::size_t i0, std::size_t i1) {
     for_each_lane<T>(i0, i1, [&](std::size_t i, auto lane) { store_at(out, i, load_as(a, i, lane) + load_as(b, i, lane)); });
   });
 }
