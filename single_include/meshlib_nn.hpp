@@ -980,7 +980,7 @@ void for_lanes(std::size_t n, const std::array<float, K>& k, const F& f) {
 // through several pointers, so GCC 12 at -O2 keeps them scalar: it vectorises only loops whose trip
 // count is a multiple of the vector width and needs no check that the pointers do not overlap.
 // Measured in the ResNet flagship (perf, 2026-12-07): im2col's copies, col2im's sums, batch norm and
-// max pooling were scalar loops, 40% of a step. `for_each_lane` runs such a loop's body on native
+// max pooling were scalar loops, about 47% of a step. `for_each_lane` runs such a loop's body on native
 // vectors of the element type over the bulk of the run and on single elements over the rest; a body
 // applies the same IEEE operations in the same order to every element in both forms, so the results
 // are bitwise those of the scalar loop (sums over rows stay in row order: lanes run across columns).
